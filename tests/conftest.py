@@ -1,0 +1,19 @@
+"""Shared test setup.
+
+Ranks are forked from this process (tests/harness.py), so whatever is imported here is
+imported once for the whole session instead of once per rank. DDP and FSDP2 import
+``torch._dynamo`` lazily (about 1 s each time), hence the imports below.
+"""
+
+import os
+import sys
+import warnings
+
+import torch._dynamo  # noqa: F401  (DDP's lazy import, paid once here)
+import torch.distributed.fsdp  # noqa: F401
+import torch.nn.parallel  # noqa: F401
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import harness and compare directly
+
+# DDP's C++ reducer warns on stderr when find_unused_parameters finds none; not our concern.
+warnings.filterwarnings("ignore", message=".*find_unused_parameters.*")

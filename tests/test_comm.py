@@ -1,0 +1,89 @@
+"""The collective wrappers (zero/comm.py) on 2 and 3 real gloo ranks: data and ledger."""
+
+import pytest
+import torch
+
+from harness import run_ranks
+from zero import comm
+
+
+def _collectives(rank, n):
+    out = {}
+    with comm.Ledger() as ledger:
+        # all-gather, out of place and in place, sync and async
+        full = torch.empty(3 * n)
+        comm.all_gather(full, torch.arange(3.0) + 10 * rank, unit="u", phase="forward")
+        out["gather"] = torch.equal(full, torch.cat([torch.arange(3.0) + 10 * r for r in range(n)]))
+        inplace = torch.zeros(2 * n)
+        inplace[2 * rank : 2 * rank + 2] = rank + 1
+        comm.all_gather(inplace, inplace[2 * rank : 2 * rank + 2], unit="u", phase="step",
+                        async_op=True).wait()
+        out["gather_inplace"] = inplace.tolist() == [float(r + 1) for r in range(n) for _ in (0, 1)]
+        # reduce-scatter, SUM and AVG, against the local computation
+        gen = [torch.Generator().manual_seed(r) for r in range(n)]
+        inputs = [torch.randn(4 * n, generator=g) for g in gen]
+        total = torch.stack(inputs).sum(0)
+        for op, expect in [("sum", total), ("avg", total / n)]:
+            shard = torch.empty(4)
+            comm.reduce_scatter(shard, inputs[rank].clone(), op=op, unit="u", phase="backward",
+                                async_op=(op == "avg")).wait() if op == "avg" else \
+                comm.reduce_scatter(shard, inputs[rank].clone(), op=op, unit="u", phase="backward")
+            out[f"rs_{op}"] = (shard - expect[4 * rank : 4 * rank + 4]).abs().max().item()
+        # all-reduce SUM and MAX (the used-parameter mask is a uint8 MAX)
+        t = torch.tensor([float(rank), 1.0])
+        comm.all_reduce(t, op="sum", unit="u", phase="step")
+        out["ar_sum"] = t.tolist() == [float(sum(range(n))), float(n)]
+        mask = torch.tensor([rank == 0, rank == n - 1, False], dtype=torch.uint8)
+        comm.all_reduce(mask, op="max")
+        out["ar_max"] = mask.tolist() == [1, 1, 0]
+        out["records"] = [(r.op, r.dtype, r.buffer_bytes, r.sent_bytes, r.unit, r.phase)
+                          for r in ledger.records]
+        out["sent"] = ledger.sent_bytes()
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_compute_and_record(n):
+    results = run_ranks(_collectives, n)
+    for out in results:
+        assert out["gather"] and out["gather_inplace"] and out["ar_sum"] and out["ar_max"]
+        assert out["rs_sum"] < 1e-6 and out["rs_avg"] < 1e-6
+    f32, ring = torch.float32, (n - 1) / n
+    expect = [
+        ("all_gather", f32, 12 * n, int(12 * n * ring), "u", "forward"),
+        ("all_gather", f32, 8 * n, int(8 * n * ring), "u", "step"),
+        ("reduce_scatter", f32, 16 * n, int(16 * n * ring), "u", "backward"),
+        ("reduce_scatter", f32, 16 * n, int(16 * n * ring), "u", "backward"),
+        ("all_reduce", f32, 8, int(2 * 8 * ring), "u", "step"),
+        ("all_reduce", torch.uint8, 3, int(2 * 3 * ring), "", "other"),
+    ]
+    assert results[0]["records"] == expect
+    assert results[0]["sent"] == sum(e[3] for e in expect)
+
+
+def _avg_equals_sum_then_divide(rank, n):
+    # Regression guard for pytorch#162338 (a wrong gloo AVG): AVG must equal SUM / n bitwise.
+    x = torch.randn(1000 * n, generator=torch.Generator().manual_seed(rank))
+    avg, summed = torch.empty(1000), torch.empty(1000)
+    comm.reduce_scatter(avg, x.clone(), op="avg")
+    comm.reduce_scatter(summed, x.clone(), op="sum")
+    return torch.equal(avg, summed / n)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_gloo_avg_is_sum_divided(n):
+    assert all(run_ranks(_avg_equals_sum_then_divide, n))
+
+
+def test_ledger_only_records_while_active_and_resets():
+    def body(rank, n):
+        x = torch.ones(4)
+        comm.all_reduce(x)  # no ledger active: not recorded anywhere
+        with comm.Ledger() as outer:
+            with comm.Ledger() as inner:
+                comm.all_reduce(x, phase="step")
+            comm.all_reduce(x, phase="forward")
+            counts = (outer.count(), inner.count(), outer.count(phase="step"))
+            outer.reset()
+            return counts, outer.count()
+    assert run_ranks(body, 2)[0] == ((2, 1, 1), 0)

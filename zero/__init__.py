@@ -1,0 +1,22 @@
+"""zero: ZeRO stages 1, 2 and 3, written from scratch on torch.distributed collectives.
+
+Read in this order: ``flat`` (the flat parameter), ``comm`` (collectives and the ledger),
+``unit`` (one mechanism, the stage as a policy), ``shard`` (the public entry point), then
+``mixed_precision``, ``clip``, ``state_dict`` and ``memory``.
+"""
+
+from zero.clip import clip_grad_norm_
+from zero.comm import Ledger
+from zero.mixed_precision import MixedPrecision
+from zero.shard import no_sync, shard, units_of
+from zero.state_dict import full_state_dict
+
+__all__ = [
+    "Ledger",
+    "MixedPrecision",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "no_sync",
+    "shard",
+    "units_of",
+]

@@ -1,0 +1,62 @@
+"""Gradient clipping by the global norm, when every rank holds only a shard of the gradients.
+
+Each rank's shard is one part of the whole gradient, so a rank's local norm means nothing on
+its own: sum |g|^p over the local pieces, all-reduce the sums, take the p-th root (for the
+inf-norm: all-reduce the local maxima). llm.c makes the same point about its ZeRO-1 norm.
+
+Equality with DDP: the global norm is the same number, summed in a different order, so it
+can differ from ``torch.nn.utils.clip_grad_norm_`` by a few ulps; the inf-norm (a maximum)
+is exact. ``notes/05-equality.md`` has the arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zero import comm
+from zero.shard import units_of
+
+
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Scale the gradients of ``model`` so their global ``norm_type``-norm is at most ``max_norm``.
+
+    Args:
+        model: a model whose parameters are all managed by ``zero.shard``.
+        max_norm: the largest allowed norm.
+        norm_type: p of the p-norm; ``float("inf")`` for the max-norm.
+        error_if_nonfinite: raise if the global norm is nan or inf.
+
+    Returns:
+        The global norm of the gradients before clipping (a 0-d tensor), on every rank.
+    """
+    units = units_of(model)
+    loose = [n for n, p in model.named_parameters() if getattr(p, "_zero_unit", None) is None]
+    if loose:
+        raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root module")
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm_type = float(norm_type)
+    device = units[0].unsharded.device
+    dtype = grads[0].dtype if grads else torch.float32
+    # The same per-tensor-then-stack order as torch.nn.utils.clip_grad_norm_, on local pieces.
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+        local = torch.linalg.vector_norm(norms, norm_type)
+    else:
+        local = torch.zeros((), dtype=dtype, device=device)
+    if norm_type == float("inf"):
+        total = local.clone()
+        comm.all_reduce(total, op="max", group=units[0].group, unit="clip", phase="step")
+    else:
+        total = local**norm_type
+        comm.all_reduce(total, op="sum", group=units[0].group, unit="clip", phase="step")
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} is {total.item()}; "
+                           "set error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total

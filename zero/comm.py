@@ -1,0 +1,119 @@
+"""Every collective this package issues, and the ledger that counts them.
+
+This is the only module that calls ``torch.distributed`` collectives, so the ledger sees all
+traffic. A record says what moved, for which unit and in which phase of the step::
+
+    with zero.Ledger() as ledger:
+        loss = model(x).sum(); loss.backward(); opt.step()
+    ledger.sent_bytes()                      # bytes this rank sent in that step
+    ledger.sent_bytes(op="all_gather", phase="forward")
+
+Bytes sent follow the standard ring accounting (each rank sends (N-1)/N of the full buffer
+for an all-gather or a reduce-scatter, twice that for an all-reduce), which is how the ZeRO
+paper counts Ψ and 2Ψ (section 7).
+
+Every wrapper takes ``async_op``: with ``True`` it returns a handle whose ``wait()`` must be
+called before the output is read, as with ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective as seen by this rank."""
+
+    op: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    dtype: torch.dtype
+    buffer_bytes: int  # size of the full (unsharded) buffer
+    sent_bytes: int  # what this rank sends under ring accounting
+    unit: str
+    phase: str  # "init", "forward", "backward", "step" or "other"
+
+
+class Ledger:
+    """Records the collectives issued while it is active (``with Ledger() as ledger:``).
+
+    Ledgers nest; every active ledger receives every record.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    def __enter__(self) -> "Ledger":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def select(self, op: str | None = None, phase: str | None = None, unit: str | None = None):
+        return [
+            r
+            for r in self.records
+            if (op is None or r.op == op)
+            and (phase is None or r.phase == phase)
+            and (unit is None or r.unit == unit)
+        ]
+
+    def sent_bytes(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(r.sent_bytes for r in self.select(op, phase))
+
+    def count(self, op: str | None = None, phase: str | None = None) -> int:
+        return len(self.select(op, phase))
+
+
+_ACTIVE: list[Ledger] = []
+
+
+def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase: str) -> None:
+    if not _ACTIVE:
+        return
+    n = dist.get_world_size(group)
+    nbytes = buffer.numel() * buffer.element_size()
+    rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase)
+    for ledger in _ACTIVE:
+        ledger.records.append(rec)
+
+
+def all_gather(output, input, *, group=None, unit="", phase="other", async_op=False):
+    """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at [r * shard, ...).
+
+    ``input`` may be rank r's slice of ``output`` (an in-place all-gather).
+    """
+    _record("all_gather", output, 1.0, group, unit, phase)
+    return _all_gather_flat(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other", async_op=False):
+    """(N * shard,) on every rank -> (shard,): rank r gets slice r of the sum (or mean) over ranks."""
+    _record("reduce_scatter", input, 1.0, group, unit, phase)
+    return _reduce_scatter_flat(output, input, op=_OPS[op], group=group, async_op=async_op)
+
+
+def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op=False):
+    """Any shape -> the same shape, reduced over ranks (``op`` in "sum", "avg", "max"), in place."""
+    _record("all_reduce", tensor, 2.0, group, unit, phase)
+    return dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+
+
+def all_gather_object(obj: Any, *, group=None) -> list[Any]:
+    """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,103 @@
+"""The flat parameter: one unit's parameters laid end to end in a padded 1-D buffer.
+
+This is the data structure of ZeRO's partitioning (Rajbhandari et al. 2020, section 5) and of
+FSDP1's ``FlatParameter``. A unit's parameters p0, p1, ... of any shapes are flattened and
+concatenated, then zero-padded so the length divides the world size N. Rank r owns the
+contiguous slice ``[r * S, (r + 1) * S)`` of it, where ``S = padded_numel / N``::
+
+    flat:   | p0 ........ | p1 .... | p2 ...... |pad|
+    shards: | rank 0        | rank 1        | rank 2        |
+
+A parameter may straddle shards, so what rank r holds of parameter i is a *piece*: a
+contiguous run of p_i's flattened elements. Each parameter has at most one piece per rank
+(the intersection of two intervals), and the pieces of all ranks tile each parameter exactly.
+
+Everything here is pure tensor code with no collectives: ``tests/test_flat.py`` checks the
+layout with hypothesis on shapes and world sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Rank r's slice ``[offset, offset + size)`` of the padded flat buffer."""
+
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``param_index`` that falls in one rank's shard.
+
+    Elements ``[param_offset, param_offset + length)`` of the flattened parameter sit at
+    ``[shard_offset, shard_offset + length)`` of that rank's shard.
+    """
+
+    param_index: int
+    param_offset: int
+    shard_offset: int
+    length: int
+
+
+class FlatLayout:
+    """Where each parameter of a unit lives in the flat buffer and in each rank's shard.
+
+    Args:
+        shapes: the parameters' shapes, in flattening order (0-d and empty allowed).
+        world_size: N, the number of shards.
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.world_size = world_size
+        self.numel = sum(self.numels)
+        self.shard_numel = -(-self.numel // world_size)  # ceil: every shard the same size
+        self.padded_numel = self.shard_numel * world_size
+
+    def shard(self, rank: int) -> ShardInfo:
+        return ShardInfo(offset=rank * self.shard_numel, size=self.shard_numel)
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The non-empty pieces of parameters in rank ``rank``'s shard, in flat order."""
+        lo = rank * self.shard_numel
+        hi = lo + self.shard_numel
+        out = []
+        for i, (start, n) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                out.append(Piece(i, param_offset=a - start, shard_offset=a - lo, length=b - a))
+        return out
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Concatenate ``tensors`` (in layout order) into a new zero-padded 1-D buffer."""
+        if [t.shape for t in tensors] != self.shapes:
+            raise ValueError("tensors do not match the layout's shapes")
+        like = tensors[0] if tensors else torch.empty(0)
+        flat = like.new_zeros(self.padded_numel)
+        for t, start, n in zip(tensors, self.offsets, self.numels):
+            flat[start : start + n].copy_(t.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the original shapes into an unsharded flat buffer (padding excluded).
+
+        One ``split`` makes all views, so in backward autograd builds the flat gradient with
+        a single concatenation (``SplitWithSizesBackward``), not one full-size buffer per view.
+        """
+        if flat.shape != (self.padded_numel,):
+            raise ValueError(f"expected a ({self.padded_numel},) buffer, got {tuple(flat.shape)}")
+        pad = self.padded_numel - self.numel
+        chunks = flat.split(self.numels + [pad])
+        return [c.view(shape) for c, shape in zip(chunks, self.shapes)]

@@ -1,0 +1,135 @@
+"""Small models for the tests, the demo and the benchmarks (not part of ZeRO itself).
+
+- ``GPT``: a GPT-2-style decoder with tied input/output embeddings; its ``blocks`` are the
+  natural units.
+- ``UnevenMLP``: layers of awkward sizes (not divisible by 2, 3 or 4), one frozen layer
+  and one layer that forward never uses.
+
+``units(model)`` lists the sub-modules each model wants as units (bottom-up order), so a
+test can shard the same units with ``zero.shard`` and with FSDP2's ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 96
+    seq: int = 16
+    dim: int = 32
+    heads: int = 4
+    layers: int = 2
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.out = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig | None = None):
+        super().__init__()
+        cfg = cfg or GPTConfig()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.seq, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied: one parameter, two users
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def units(self) -> list[nn.Module]:
+        return [*self.blocks, self]
+
+    def batch(self, batch: int, generator: torch.Generator):
+        idx = torch.randint(0, self.cfg.vocab, (batch, self.cfg.seq + 1), generator=generator)
+        return idx[:, :-1], idx[:, 1:]
+
+    @staticmethod
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+class UnevenMLP(nn.Module):
+    """Sizes 13 -> 37 -> 29 -> 7, a frozen middle layer, and ``unused`` never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 37)
+        self.frozen = nn.Linear(37, 29)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(29, 11)
+        self.hidden = nn.Sequential(nn.Linear(29, 23), nn.Tanh(), nn.Linear(23, 29))
+        self.out = nn.Linear(29, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.frozen(torch.tanh(self.inp(x))))
+        return self.out(x + self.hidden(x))
+
+    def units(self) -> list[nn.Module]:
+        return [self.hidden, self]
+
+    def batch(self, batch: int, generator: torch.Generator):
+        return torch.randn(batch, 13, generator=generator), torch.randn(batch, 7, generator=generator)
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out.float(), target)
+
+
+class EncoderStack(nn.Module):
+    """A stack of ``nn.TransformerEncoderLayer`` (torch's own attention and MLP)."""
+
+    def __init__(self, dim: int = 24, layers: int = 2, seq: int = 6):
+        super().__init__()
+        self.seq, self.dim = seq, dim
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=40, dropout=0.0,
+                                       batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def units(self) -> list[nn.Module]:
+        return [*self.layers, self]
+
+    def batch(self, batch: int, generator: torch.Generator):
+        x = torch.randn(batch, self.seq, self.dim, generator=generator)
+        return x, torch.randint(0, 5, (batch, self.seq), generator=generator)
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))

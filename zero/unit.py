@@ -1,0 +1,326 @@
+"""A unit: one module whose own parameters are sharded together as one flat parameter.
+
+ZeRO stages 1, 2 and 3 are one mechanism here; the stage only decides *when* things happen
+(``Stage`` below). The whole algorithm is a symmetry: the all-gather that assembles a unit's
+parameters for its forward is mirrored by the reduce-scatter that splits its gradient in
+backward (SimpleFSDP's summary of FSDP).
+
+[Note: the three tensors of a unit]
+- ``sharded``: this rank's slice of the padded flat parameter, in the parameters' own dtype
+  (fp32 master weights). The optimizer updates it, through ``params``: one new
+  ``nn.Parameter`` per original parameter, a 1-D view of that parameter's piece of
+  ``sharded`` (FSDP1's ``use_orig_params``). They keep the original names in the module.
+- ``unsharded``: the whole padded flat parameter in the compute dtype, an autograd leaf.
+  While the unit computes, the module's parameters are swapped for views into it
+  (``layout.views``), so autograd accumulates every parameter's gradient into one flat
+  ``unsharded.grad``, and a post-accumulate-grad hook on the leaf fires once per backward
+  when the unit's gradient is complete.
+- ``_unsharded_data``: the same storage as ``unsharded`` under its own version counter. Every
+  write (all-gather) goes through it, so refilling storage that autograd saved for backward
+  does not trip autograd's in-place check.
+Stage 3 frees ``unsharded`` between uses by resizing its storage to 0 bytes; the views saved
+in the autograd graph stay valid because the same storage is refilled before backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from zero import comm
+from zero.flat import FlatLayout
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What differs between the stages: the whole table is these two booleans.
+
+    | stage | keep_params                       | reduce_each_unit                     |
+    |-------|-----------------------------------|--------------------------------------|
+    | 1     | full params live between steps    | no: all units at the end of backward |
+    | 2     | full params live between steps    | yes: as soon as a unit's grad is done |
+    | 3     | no: gathered for forward/backward | yes                                  |
+    """
+
+    number: int
+    keep_params: bool
+    reduce_each_unit: bool
+
+
+STAGES = {1: Stage(1, True, False), 2: Stage(2, True, True), 3: Stage(3, False, True)}
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward (e.g. activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Unit:
+    """The sharded state and the hooks of one ``zero.shard``-ed module (see the module note)."""
+
+    def __init__(self, module, params, locations, stage, group, mp_policy, reshard_after_forward,
+                 device):
+        self.module = module
+        self.name = type(module).__name__  # the root renames its units by their paths
+        self.stage = stage
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.locations = locations  # per parameter: the (module, attribute) pairs that use it
+        self.layout = FlatLayout([p.shape for p in params], self.world_size)
+        dtype = params[0].dtype if params else torch.float32
+        self.param_dtype = (mp_policy and mp_policy.param_dtype) or dtype
+        self.reduce_dtype = (mp_policy and mp_policy.reduce_dtype) or self.param_dtype
+        self.cast_inputs = mp_policy is not None and mp_policy.param_dtype is not None
+        self._reshard_after_forward = reshard_after_forward
+        self.requires_grad_sync = True
+        self.parent: Unit | None = None
+        self._tree: list[Unit] | None = None  # the root's units, itself first (lazy)
+        self._callback_queued = False
+        self._pieces = {p.param_index: p for p in self.layout.pieces(self.rank)}
+        shard = self.layout.shard(self.rank)
+        self._slot = slice(shard.offset, shard.offset + shard.size)
+
+        with torch.no_grad():
+            full = self.layout.flatten([p.detach() for p in params]) if params else torch.empty(
+                0, device=device)
+            # Autograd leaf first; _unsharded_data aliases its storage (see the module note).
+            self.unsharded = torch.empty_like(full, dtype=self.param_dtype)
+            self._unsharded_data = self.unsharded.data
+            if stage.keep_params and self.param_dtype == dtype:
+                # Stages 1/2 without a cast: the shard lives inside the full buffer, so the
+                # all-gather after each step happens in place and params cost Ψ, not Ψ + Ψ/N.
+                self._unsharded_data.copy_(full)
+                self.sharded = self._unsharded_data[self._slot]
+            else:
+                self.sharded = full[self._slot].clone()
+        self.unsharded.requires_grad_(any(p.requires_grad for p in params))
+        self.params = [self._sharded_param(i, p) for i, p in enumerate(params)]
+        self._used = [False] * len(params)  # got a gradient since the last reduction
+        self._views: list[torch.Tensor] | None = None
+        self._grad_shard: torch.Tensor | None = None  # reduced, not yet handed to params
+        self._pending: Any = None  # an async all-gather in flight
+        self.is_unsharded = stage.keep_params
+        self.in_backward = False
+        if stage.keep_params:
+            self._gather(phase="init")  # every rank starts from the same full parameters
+        else:
+            self._free_unsharded()
+
+    def _sharded_param(self, i: int, orig: nn.Parameter) -> nn.Parameter:
+        piece = self._pieces.get(i)
+        lo, n = (piece.shard_offset, piece.length) if piece else (0, 0)
+        p = nn.Parameter(self.sharded[lo : lo + n], requires_grad=orig.requires_grad)
+        p._zero_unit, p._zero_index = self, i
+        return p
+
+    # ---- parameters: unshard (all-gather) and reshard (free) -------------------------------
+
+    def _gather(self, phase: str, async_op: bool = False) -> None:
+        if self.layout.padded_numel == 0:
+            return
+        slot = self._unsharded_data[self._slot]
+        if slot.data_ptr() != self.sharded.data_ptr():
+            slot.copy_(self.sharded)  # cast the fp32 shard to param_dtype once, before the gather
+        # (N*S,) <- (S,) per rank; in place: our slot of the output is the input
+        work = comm.all_gather(self._unsharded_data, slot, group=self.group, unit=self.name,
+                               phase=phase, async_op=async_op)
+        self._pending = work
+
+    def unshard(self, phase: str) -> None:
+        """Make the full parameters readable (all-gather, or wait for one in flight)."""
+        if not self.is_unsharded:
+            self._unsharded_data.untyped_storage().resize_(
+                self.layout.padded_numel * self._unsharded_data.element_size())
+            self._gather(phase)
+            self.is_unsharded = True
+        self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def reshard(self) -> None:
+        """Stage 3: give the full parameters' memory back; stages 1/2 keep them."""
+        if self.stage.keep_params or not self.is_unsharded:
+            return
+        self.wait_unshard()
+        self._free_unsharded()
+
+    def _free_unsharded(self) -> None:
+        self._unsharded_data.untyped_storage().resize_(0)
+        self._views = None
+        self.is_unsharded = False
+
+    def after_optimizer_step(self) -> None:
+        """The shard changed: refresh (stages 1/2, async until the next forward) or drop (3)."""
+        if self.stage.keep_params:
+            self.wait_unshard()
+            self._gather(phase="step", async_op=True)
+        else:
+            self.reshard()
+
+    # ---- which tensors the module computes with --------------------------------------------
+
+    def use_unsharded_views(self, fresh: bool) -> None:
+        if fresh or self._views is None:
+            self._views = []
+            for i, (v, p) in enumerate(zip(self.layout.views(self.unsharded), self.params)):
+                if not p.requires_grad:
+                    v = v.detach()  # frozen: no gradient is computed for it
+                elif v.requires_grad:
+                    v.register_hook(partial(self._mark_used, i))
+                self._views.append(v)
+        for v, locs in zip(self._views, self.locations):
+            for mod, attr in locs:
+                mod._parameters[attr] = v  # a plain tensor: autograd reaches the flat leaf
+
+    def use_sharded_params(self) -> None:
+        for p, locs in zip(self.params, self.locations):
+            for mod, attr in locs:
+                mod._parameters[attr] = p
+
+    def _mark_used(self, i: int, grad: torch.Tensor) -> None:
+        self._used[i] = True
+
+    # ---- gradients: reduce-scatter, then hand the shard to the parameters -------------------
+
+    def reduce_grad(self) -> None:
+        """(N*S,) full flat gradient -> (S,) this rank's shard of its mean over ranks."""
+        grad, self.unsharded.grad = self.unsharded.grad, None  # the full gradient goes now
+        if grad is None:
+            return
+        grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
+        shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+        comm.reduce_scatter(shard, grad, op="avg", group=self.group, unit=self.name,
+                            phase="backward")
+        if self._grad_shard is None:
+            self._grad_shard = shard
+        else:  # stage 1 reduced twice before a callback: cannot happen, but stay correct
+            self._grad_shard += shard
+
+    def assign_grads(self, used: list[bool]) -> None:
+        """Give each used parameter its piece of the reduced gradient (accumulating)."""
+        shard, self._grad_shard = self._grad_shard, None
+        self._used = [False] * len(self.params)
+        if shard is None:
+            return
+        shard = shard.to(self.sharded.dtype)
+        for i, p in enumerate(self.params):
+            if not used[i]:
+                continue  # unused everywhere: grad stays None, as in DDP
+            piece = self._pieces.get(i)
+            g = shard[piece.shard_offset : piece.shard_offset + piece.length] if piece else shard[:0]
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+
+    # ---- module hooks ---------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        if self.cast_inputs:
+            args, kwargs = tree_map_only(torch.Tensor, self._cast, (args, kwargs))
+        if self.parent is None and not in_backward():
+            self.root_tree()  # lazy init: names and the list of units below
+        self.unshard(phase="backward" if in_backward() else "forward")
+        self.use_unsharded_views(fresh=not in_backward())
+        return args, kwargs
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.param_dtype) if t.is_floating_point() else t
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if in_backward():
+            return output  # activation-checkpoint recompute: backward still needs everything
+        self.use_sharded_params()
+        if not torch.is_grad_enabled():
+            self.reshard()  # no backward will come for this forward
+            return output
+        if self.reshard_after_forward:
+            self.reshard()
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self.pre_backward)
+        return output
+
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        self.root.queue_final_callback()
+        if not self.in_backward:
+            self.in_backward = True
+            self.unshard(phase="backward")
+            self.use_unsharded_views(fresh=False)
+
+    def post_backward(self, leaf: torch.Tensor) -> None:
+        """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
+        self.root.queue_final_callback()
+        if self.stage.reduce_each_unit and self.requires_grad_sync:
+            self.reduce_grad()
+        # A frozen parameter's data may still be needed for an input gradient after this
+        # hook (it feeds no gradient into the leaf), so such units reshard in the callback.
+        if all(p.requires_grad for p in self.params):
+            self.use_sharded_params()
+            self.in_backward = False
+            self.reshard()
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.stage.keep_params:
+            return False
+        if self._reshard_after_forward is None:
+            return self.parent is not None  # FSDP2: the root keeps its parameters for backward
+        return self._reshard_after_forward
+
+    # ---- the root: end of backward --------------------------------------------------------
+
+    @property
+    def root(self) -> "Unit":
+        unit = self
+        while unit.parent is not None:
+            unit = unit.parent
+        return unit
+
+    def root_tree(self) -> list["Unit"]:
+        if self._tree is None:
+            self._tree = []
+            for path, mod in self.module.named_modules():
+                unit = getattr(mod, "_zero_unit", None)
+                if unit is not None:
+                    unit.name = path or "root"
+                    self._tree.append(unit)
+        return self._tree
+
+    def queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        """Runs once when the whole backward is done: reduce (stage 1), hand out grads, free."""
+        self._callback_queued = False
+        units = self.root_tree()
+        sync = all(u.requires_grad_sync for u in units)
+        if sync:
+            for u in units:
+                if not u.stage.reduce_each_unit:
+                    u.reduce_grad()
+            # A parameter unused on this rank may be used on another: agree on "used" (max),
+            # like DDP's find_unused_parameters, with one small all-reduce per backward.
+            flags = torch.tensor([f for u in units for f in u._used], dtype=torch.uint8)
+            if flags.numel():
+                comm.all_reduce(flags, op="max", group=self.group, unit="root", phase="backward")
+            offset = 0
+            for u in units:
+                n = len(u.params)
+                u.assign_grads(flags[offset : offset + n].tolist())
+                offset += n
+        for u in units:
+            u.use_sharded_params()
+            u.in_backward = False
+            u.reshard()
