@@ -41,8 +41,9 @@ def clip_grad_norm_(
     device = units[0].unsharded.device
     dtype = grads[0].dtype if grads else torch.float32
     # The same per-tensor-then-stack order as torch.nn.utils.clip_grad_norm_, on local pieces.
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+    pieces = [g for g in grads if g.numel()]  # a rank may hold no element of a parameter
+    if pieces:
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in pieces])
         local = torch.linalg.vector_norm(norms, norm_type)
     else:
         local = torch.zeros((), dtype=dtype, device=device)
