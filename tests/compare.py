@@ -57,7 +57,8 @@ class System:
         self.kind = kind
         model = copy.deepcopy(base)
         if kind in ("ddp", "ddp+zro"):
-            unused = isinstance(base, UnevenMLP)
+            # DDP must be told about parameters that get no gradient (UnevenMLP.unused...)
+            unused = getattr(base, "has_unused_parameters", False)
             self.model = DDP(model, find_unused_parameters=unused)
             named = [(n.removeprefix("module."), p) for n, p in self.model.named_parameters()]
             self.opt = make_optimizer(opt, named, zro=kind == "ddp+zro")

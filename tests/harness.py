@@ -22,6 +22,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -125,10 +126,14 @@ def _rank_main(fn, rank: int, world_size: int, tmp: str, timeout: float, args, w
         result = (True, fn(rank, world_size, *args))
     except BaseException:
         result = (False, traceback.format_exc())
+    # Plain pickle, by value: Connection.send would use torch's shared-memory reductions for
+    # tensors, which need this process alive while the parent unpickles.
     try:
-        writer.send(result)
+        payload = pickle.dumps(result)
     except Exception:  # an unpicklable return value is the test's bug: say so
-        writer.send((False, "rank returned a value that does not pickle:\n" + traceback.format_exc()))
+        result = (False, "rank returned a value that does not pickle:\n" + traceback.format_exc())
+        payload = pickle.dumps(result)
+    writer.send_bytes(payload)
     writer.close()
     if result[0]:
         # Leave together: a rank that exits at once can cut a peer's gloo connection set-up

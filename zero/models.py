@@ -81,6 +81,8 @@ class GPT(nn.Module):
 class UnevenMLP(nn.Module):
     """Sizes 13 -> 37 -> 29 -> 7, a frozen middle layer, and ``unused`` never called."""
 
+    has_unused_parameters = True  # DDP needs find_unused_parameters=True
+
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(13, 37)

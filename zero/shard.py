@@ -84,7 +84,7 @@ def shard(
         if child.parent is None:
             child.parent = unit
     for orig in params:
-        orig._zero_replaced = True  # an optimizer still holding it was built too early
+        orig._zero_replaced = unit  # whoever still holds it (an optimizer) is out of date
     unit.use_sharded_params()
     module._zero_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
@@ -104,6 +104,8 @@ def _own_parameters(module: nn.Module, children: list[Unit]):
             if p is None:
                 continue
             owner = getattr(p, "_zero_unit", None)
+            if getattr(p, "_zero_replaced", None) is not None:  # tied to a unit's original
+                raise _shared_error(f"{mod_name}.{attr}", p._zero_replaced)
             if owner is None:
                 found.setdefault(id(p), (p, []))[1].append((mod, attr))
             elif owner not in inside:
@@ -112,13 +114,16 @@ def _own_parameters(module: nn.Module, children: list[Unit]):
                     f"{type(module).__name__}: zero.shard was called on a parent before this "
                     "child. Shard bottom-up: children first, then their parents")
             elif id(mod) not in inside[owner]:
-                raise ValueError(
-                    f"parameter '{mod_name}.{attr}' is shared with the unit "
-                    f"{type(owner.module).__name__}, which does not contain this use of it. "
-                    "A shared (tied) parameter must live in one unit: do not shard a module "
-                    "holding only some of its users; shard a common parent instead")
+                raise _shared_error(f"{mod_name}.{attr}", owner)
     params = [p for p, _ in found.values()]
     return params, [locs for _, locs in found.values()]
+
+
+def _shared_error(name: str, owner: Unit) -> ValueError:
+    return ValueError(
+        f"parameter '{name}' is shared with the unit {type(owner.module).__name__}, which "
+        "does not contain this use of it. A shared (tied) parameter must live in one unit: "
+        "do not shard a module holding only some of its users; shard a common parent instead")
 
 
 def _names(module: nn.Module, params):

@@ -1,0 +1,103 @@
+"""Memory per rank, measured with torch's MemTracker (zero.memory.ZeroMemTracker), 2 ranks.
+
+The model has 8 equal blocks (units) and a small root, so "one unit" is one block.
+"""
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import _MemRefType as Ref
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zero
+from harness import run_ranks
+from zero.memory import MODEL_STATES, ZeroMemTracker, model_state_bytes
+from zero.models import GPT, GPTConfig
+
+CPU = torch.device("cpu")
+
+
+def _model(stage):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))
+    for unit in model.units():
+        zero.shard(unit, stage=stage)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _step(model, opt, rank):
+    x, y = model.batch(2, torch.Generator().manual_seed(rank))
+    model.loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _measure(rank, n, stage):
+    model, opt = _model(stage)
+    _step(model, opt, rank)  # the optimizer state exists from here on
+    with ZeroMemTracker(model, opt) as mt:
+        _step(model, opt, rank)
+    units = zero.units_of(model)
+    return {
+        "peaks": {str(k): v for k, v in mt.category_peaks[CPU].items()},
+        "psi": sum(u.layout.numel for u in units),
+        "padded": sorted(u.layout.padded_numel for u in units),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage2_holds_one_unit_of_full_gradient_stage1_holds_all(stage):
+    out = run_ranks(_measure, 2, stage)[0]
+    grad_peak, full_grad = out["peaks"][str(Ref.GRAD)], 4 * out["psi"]
+    one_unit = 4 * out["padded"][-1]
+    if stage == 2:
+        assert grad_peak <= 1.10 * (full_grad / 2 + one_unit), out
+    else:
+        assert grad_peak >= full_grad, out  # the whole gradient, until the end of backward
+    # Both keep full parameters and a shard of Adam's state (8 bytes per element).
+    assert out["peaks"][str(Ref.PARAM)] >= 4 * out["psi"]
+    assert out["peaks"][str(Ref.OPT)] <= 1.10 * 8 * out["psi"] / 2
+
+
+class _UnshardedBytes(TorchDispatchMode):
+    """After every op: the bytes of all units' unsharded buffers, and each unit's after its forward."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units, self.peak, self.after_forward = units, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, sum(u.unsharded.untyped_storage().nbytes() for u in self.units))
+        return out
+
+
+def _stage3(rank, n):
+    model, opt = _model(3)
+    _step(model, opt, rank)
+    units = zero.units_of(model)
+    probe = _UnshardedBytes(units)
+    for u in units:  # registered after zero's hook, so it sees the state after post_forward
+        u.module.register_forward_hook(
+            lambda m, a, o, u=u: probe.after_forward.append((u.name, u.unsharded.untyped_storage().nbytes())))
+    with ZeroMemTracker(model, opt) as mt, probe:
+        _step(model, opt, rank)
+    return {
+        "states_peak": mt.category_peaks[CPU][MODEL_STATES],
+        "unsharded_peak": probe.peak,
+        "after_forward": probe.after_forward,
+        "psi": sum(u.layout.numel for u in units),
+        "unit_bytes": sorted(4 * u.layout.padded_numel for u in units),
+    }
+
+
+def test_stage3_frees_each_unit_after_forward_and_bounds_model_states():
+    out = run_ranks(_stage3, 2)[0]
+    after = dict(out["after_forward"])
+    assert len(after) == 9 and after.pop("root") > 0  # the root keeps its parameters (FSDP2)
+    assert set(after.values()) == {0}, out["after_forward"]  # every block: 0 bytes
+    two_units = sum(out["unit_bytes"][-2:])
+    assert 0 < out["unsharded_peak"] <= two_units, out
+    # params + grads + AdamW state: (4 + 4 + 8) Ψ / N, plus two units' params and full grads
+    bound = model_state_bytes(out["psi"], 2, stage=3, mixed_precision=False) + 2 * two_units
+    assert out["states_peak"] <= 1.10 * bound, (out["states_peak"], bound)
+    assert out["states_peak"] < model_state_bytes(out["psi"], 2, stage=2, mixed_precision=False)

@@ -1,0 +1,116 @@
+"""Memory: the ZeRO paper's model-state formulas, and a tracker that measures ours.
+
+Model states (ZeRO paper, section 3.1 and Figure 1) are parameters, gradients and
+optimizer state. With Ψ parameters on N ranks and K bytes of optimizer state per
+parameter, each rank holds:
+
+| stage | mixed precision (2-byte params/grads, K = 12) | fp32 Adam (4-byte params/grads, K = 8) |
+|-------|-----------------------------------------------|----------------------------------------|
+| DDP   | (2 + 2 + K) Ψ                                 | (4 + 4 + K) Ψ                          |
+| 1     | (2 + 2) Ψ + K Ψ / N                           | (4 + 4) Ψ + K Ψ / N                    |
+| 2     | 2 Ψ + (2 + K) Ψ / N                           | 4 Ψ + (4 + K) Ψ / N                    |
+| 3     | (2 + 2 + K) Ψ / N                             | (4 + 4 + K) Ψ / N                      |
+
+In mixed precision K = 12 counts the fp32 master weights (4), momentum (4) and variance
+(4); in fp32 the master weights *are* the parameters, so K = 8.
+
+``ZeroMemTracker`` is torch's ``MemTracker`` taught where our tensors are: a unit's flat
+buffers are parameters, the flat gradient arriving at the leaf and every reduce-scatter
+output are gradients. It also keeps each category's own peak, which MemTracker does not
+(its peak snapshot is the moment of the largest *total*).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from zero.shard import units_of
+
+
+def model_state_bytes(psi: float, n: int, stage: int, mixed_precision: bool = True) -> float:
+    """Per-rank model-state bytes for Adam under ``stage`` (0 = DDP), per the table above."""
+    p, g, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    params = p * psi / (n if stage >= 3 else 1)
+    grads = g * psi / (n if stage >= 2 else 1)
+    optim = k * psi / (n if stage >= 1 else 1)
+    return params + grads + optim
+
+
+def traffic_in_psi(stage: int) -> float:
+    """Elements each rank sends per step, in units of Ψ (N large): 2Ψ, or 3Ψ for stage 3."""
+    return 3.0 if stage == 3 else 2.0
+
+
+_RS = torch.ops.c10d._reduce_scatter_base_.default
+
+
+class ZeroMemTracker(MemTracker):
+    """MemTracker for a model sharded with ``zero.shard`` (used like FSDPMemTracker).
+
+    Example::
+
+        with ZeroMemTracker(model, optimizer) as mt:
+            train_step()
+        mt.get_tracker_snapshot("peak")      # MemTracker's snapshot at the peak total
+        mt.category_peaks[dev][_MemRefType.GRAD]   # the gradients' own peak
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        super().__init__()
+        self._model, self._optimizer = model, optimizer
+        self._handles: list[Any] = []
+        # {device: {category or MODEL_STATES: the largest bytes seen at any moment}}
+        self.category_peaks: dict[torch.device, dict[Any, int]] = {}
+
+    def __enter__(self) -> "ZeroMemTracker":
+        super().__enter__()
+        self.track_external(self._model, self._optimizer)
+        for unit in units_of(self._model):
+            for t in (unit._unsharded_data, unit.sharded):
+                self._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
+            if unit.unsharded.requires_grad:  # the flat gradient, before it is accumulated
+                self._handles.append(unit.unsharded.register_hook(self._tag_grad))
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        super().__exit__(*args)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        if all(p.is_leaf for p in module.parameters()):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        # Inside a unit's forward its parameters are views into the unit's flat buffer (not
+        # leaves, so no gradient hooks on them); __enter__ tracked that buffer already.
+        def total(tensors, reftype):
+            return sum(w.mem_consumed for t in tensors
+                       for w in self._update_and_maybe_create_winfos(t, reftype))
+        return total(module.parameters(), _MemRefType.PARAM), total(module.buffers(),
+                                                                    _MemRefType.BUFFER)
+
+    def _tag_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _RS:  # its output is a gradient shard (what the parameters' .grad view)
+            self._update_and_maybe_create_winfos(args[0], _MemRefType.GRAD)
+        return res
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(*args, **kwargs)
+        for dev, snap in self._curr_mem_snap.items():
+            peaks = self.category_peaks.setdefault(dev, {})
+            for cat, nbytes in snap.items():
+                peaks[cat] = max(peaks.get(cat, 0), nbytes)
+            states = sum(snap.get(c, 0) for c in _MODEL_STATES)
+            peaks[MODEL_STATES] = max(peaks.get(MODEL_STATES, 0), states)
+
+
+MODEL_STATES = "Model states"  # the key of the peak of parameters + gradients + optimizer state
+_MODEL_STATES = (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT)
