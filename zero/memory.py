@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from zero.shard import units_of
@@ -48,7 +49,42 @@ def traffic_in_psi(stage: int) -> float:
 _RS = torch.ops.c10d._reduce_scatter_base_.default
 
 
-class ZeroMemTracker(MemTracker):
+# Categories that are model states, in MemTracker's and FSDPMemTracker's names.
+MODEL_STATE_CATEGORIES = {"Parameter", "Gradient", "Optstate", "Sharded Param", "Unsharded Param",
+                          "Sharded Grad", "Unsharded Grad", "OptState"}
+MODEL_STATES = "Model states"  # the key of the peak of parameters + gradients + optimizer state
+
+
+class CategoryPeaks:
+    """Mixin for any MemTracker: ``category_peaks[device][category]``, each category's own peak.
+
+    MemTracker's own peak is one snapshot, taken at the moment of the largest *total*; the
+    question "how many gradient bytes at most?" needs each category's maximum over time.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.category_peaks: dict[torch.device, dict[Any, int]] = {}
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(*args, **kwargs)
+        for dev, snap in self._curr_mem_snap.items():
+            peaks = self.category_peaks.setdefault(dev, {})
+            for cat, nbytes in snap.items():
+                peaks[cat] = max(peaks.get(cat, 0), nbytes)
+            states = sum(v for c, v in snap.items() if getattr(c, "value", c) in MODEL_STATE_CATEGORIES)
+            peaks[MODEL_STATES] = max(peaks.get(MODEL_STATES, 0), states)
+
+
+class PeakMemTracker(CategoryPeaks, MemTracker):
+    """torch's MemTracker with per-category peaks (for DDP and ZeroRedundancyOptimizer)."""
+
+
+class PeakFSDPMemTracker(CategoryPeaks, FSDPMemTracker):
+    """torch's FSDPMemTracker (for FSDP2) with per-category peaks."""
+
+
+class ZeroMemTracker(CategoryPeaks, MemTracker):
     """MemTracker for a model sharded with ``zero.shard`` (used like FSDPMemTracker).
 
     Example::
@@ -63,8 +99,6 @@ class ZeroMemTracker(MemTracker):
         super().__init__()
         self._model, self._optimizer = model, optimizer
         self._handles: list[Any] = []
-        # {device: {category or MODEL_STATES: the largest bytes seen at any moment}}
-        self.category_peaks: dict[torch.device, dict[Any, int]] = {}
 
     def __enter__(self) -> "ZeroMemTracker":
         super().__enter__()
@@ -101,16 +135,3 @@ class ZeroMemTracker(MemTracker):
         if func is _RS:  # its output is a gradient shard (what the parameters' .grad view)
             self._update_and_maybe_create_winfos(args[0], _MemRefType.GRAD)
         return res
-
-    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
-        super()._update_snap(*args, **kwargs)
-        for dev, snap in self._curr_mem_snap.items():
-            peaks = self.category_peaks.setdefault(dev, {})
-            for cat, nbytes in snap.items():
-                peaks[cat] = max(peaks.get(cat, 0), nbytes)
-            states = sum(snap.get(c, 0) for c in _MODEL_STATES)
-            peaks[MODEL_STATES] = max(peaks.get(MODEL_STATES, 0), states)
-
-
-MODEL_STATES = "Model states"  # the key of the peak of parameters + gradients + optimizer state
-_MODEL_STATES = (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT)

@@ -1,0 +1,193 @@
+"""Compare DDP, ZeroRedundancyOptimizer, ZeRO-1/2/3 (ours) and FSDP2 side by side:
+per-rank memory by category, bytes sent per step, and step time, beside the ZeRO paper.
+
+    python benchmarks/compare_stages.py              # small GPT, 2 CPU ranks (gloo), ~1 min
+    python benchmarks/compare_stages.py --sweep      # 3 sizes x world sizes 1, 2, 4
+    torchrun --nproc-per-node 8 benchmarks/compare_stages.py --device cuda   # NCCL
+
+Every system trains the same model from the same seed on the same data with AdamW. Memory
+is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zero.memory.ZeroMemTracker for
+ours), bytes by torch's CommDebugMode (zero.measure.CommBytes; for ours it is checked
+against our ledger), time as the median of the timed steps (slowest rank per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py: tables, results file, plots)
+
+import zero  # noqa: E402
+from zero.measure import CommBytes  # noqa: E402
+from zero.memory import PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker  # noqa: E402
+from zero.models import GPT, GPTConfig  # noqa: E402
+from zero.systems import KINDS, System  # noqa: E402
+
+# ---- defaults (a small GPT that runs in about a minute on 2 CPU cores) ---------------------
+WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB = 2, 4, 128, 64, 8, 512
+STEPS, WARMUP = 12, 2
+SWEEP_SIZES = [(2, 64), (4, 128), (4, 256)]  # (layers, dim): 0.12M to 3.3M parameters
+SWEEP_WORLD_SIZES = [1, 2, 4]
+SWEEP_KINDS = ["ddp", "zero1", "zero2", "zero3"]
+PAPER_STAGE = {"ddp": 0, "ddp+zro": 1, "zero1": 1, "zero2": 2, "zero3": 3,
+               "fsdp2-noreshard": 2, "fsdp2": 3}
+
+
+def measure(rank: int, n: int, kind: str, args) -> dict:
+    """Train one system on this rank; return its losses, bytes, memory and step times."""
+    device = torch.device(args.device, rank % max(1, torch.cuda.device_count())) \
+        if args.device == "cuda" else torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=4)
+    base = GPT(cfg).to(device)
+    system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"))
+    losses = []
+
+    def step(i):
+        losses.append(system.step(rank, i, batch=args.batch)[0].item())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for i in range(WARMUP):
+        step(i)
+    with CommBytes(n) as comm, zero.Ledger() as ledger:  # traffic: one step
+        step(WARMUP)
+    with _tracker(kind, system) as mem:  # memory: one step (trackers slow a step down)
+        step(WARMUP + 1)
+    times = []
+    for i in range(WARMUP + 2, WARMUP + 2 + (args.steps if not args.no_time else 0)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+    if times:  # a step lasts as long as its slowest rank
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = t.tolist()
+    peak_snapshot = mem.get_tracker_snapshot("peak").get(device, {})
+    return {
+        "kind": kind,
+        "losses": losses,
+        "psi": sum(p.numel() for p in base.parameters()),
+        "sent": dict(comm.sent),
+        "elements": sum(comm.elements.values()),
+        "unaccounted": dict(comm.unknown),
+        "ledger": ledger.sent_bytes(),
+        "memory": {getattr(k, "value", k): v for k, v in peak_snapshot.items()},
+        "peaks": {getattr(k, "value", k): v for k, v in mem.category_peaks.get(device, {}).items()},
+        "model_states_peak": mem.category_peaks.get(device, {}).get("Model states", 0),
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_time": statistics.median(times) if times else None,
+    }
+
+
+def _tracker(kind, system):
+    if kind.startswith("zero"):
+        return ZeroMemTracker(system.model, system.opt)
+    if kind.startswith("fsdp2"):
+        return PeakFSDPMemTracker(system.model, system.opt)
+    mt = PeakMemTracker()
+    mt.track_external(system.model, system.opt)
+    return mt
+
+
+def run_system(kind: str, args) -> dict:
+    """Measure one system: in fresh local processes, or in this process under torchrun."""
+    if dist.is_initialized():  # torchrun: every rank runs every system in turn
+        out = measure(dist.get_rank(), dist.get_world_size(), kind, args)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, out["losses"])
+        out["losses_all_ranks"] = everyone
+        return out
+    from zero.launch import run_ranks
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    results = run_ranks(_quiet_measure, args.world_size, kind, args, timeout=600, backend=backend)
+    out = results[0]
+    out["losses_all_ranks"] = [r["losses"] for r in results]
+    out["rss"] = max(r["rss"] for r in results)
+    return out
+
+
+def _quiet_measure(rank, n, kind, args):
+    warnings.filterwarnings("ignore")  # trackers' hook warnings, DDP's find_unused note
+    return measure(rank, n, kind, args)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=WORLD_SIZE)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--dim", type=int, default=DIM)
+    p.add_argument("--seq", type=int, default=SEQ)
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--steps", type=int, default=STEPS, help="timed steps (after warm-up)")
+    p.add_argument("--systems", default=",".join(KINDS), help=f"comma list of {KINDS}")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="bf16 compute, fp32 reduce (ours and FSDP2; DDP stays fp32)")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--out", default=None, help="results file (default benchmarks/results/...)")
+    p.add_argument("--sweep", action="store_true", help="memory and bytes vs model size and N")
+    p.add_argument("--no-time", action="store_true", help="skip the timed steps")
+    args = p.parse_args(argv)
+    args.kinds = args.systems.split(",")
+    if unknown := set(args.kinds) - set(KINDS):
+        p.error(f"unknown systems {sorted(unknown)}; choose from {KINDS}")
+    if args.steps < 1 and not args.no_time:
+        p.error("--steps must be >= 1 (or pass --no-time)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # started by torchrun
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        args.world_size = dist.get_world_size()
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    rows = sweep(args, lead) if args.sweep else compare(args, lead)
+    if lead:
+        command = ["benchmarks/compare_stages.py", *(sys.argv[1:] if argv is None else argv)]
+        report.write(rows, args, command, PAPER_STAGE)
+
+
+def compare(args, lead: bool) -> list[dict]:
+    rows = []
+    for i, kind in enumerate(args.kinds):
+        start = time.monotonic()
+        rows.append(run_system(kind, args))
+        if lead:
+            print(f"[{i + 1}/{len(args.kinds)}] {kind}: done in {time.monotonic() - start:.1f}s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def sweep(args, lead: bool) -> list[dict]:
+    sizes = [args.world_size] if dist.is_initialized() else SWEEP_WORLD_SIZES  # torchrun: fixed N
+    rows, runs = [], [(s, n, k) for s in SWEEP_SIZES for n in sizes for k in SWEEP_KINDS]
+    args.no_time = True
+    for i, ((layers, dim), n, kind) in enumerate(runs):
+        args.layers, args.dim, args.world_size = layers, dim, n
+        start = time.monotonic()
+        row = run_system(kind, args)
+        row.update(layers=layers, dim=dim, world_size=n)
+        rows.append(row)
+        if lead:
+            print(f"[{i + 1}/{len(runs)}] {kind} N={n} psi={row['psi']:,}: "
+                  f"{time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

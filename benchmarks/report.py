@@ -1,0 +1,220 @@
+"""Tables, the results file and the plots of benchmarks/compare_stages.py."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+import torch
+
+from zero.memory import model_state_bytes, traffic_in_psi
+
+CATEGORIES = {  # our column: MemTracker's and FSDPMemTracker's category names
+    "params": ("Parameter", "Sharded Param", "Unsharded Param"),
+    "grads": ("Gradient", "Sharded Grad", "Unsharded Grad"),
+    "optimizer": ("Optstate", "OptState"),
+    "activations": ("Activation",),
+    "comm buffers": ("All Gather", "Reduce Scatter"),
+    "other": ("Buffer", "Temp", "Other", "Inputs"),
+}
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+MIB = 2**20
+
+
+def machine() -> str:
+    return f"{platform.machine()}-{os.cpu_count()}cpu"
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mib(x: float) -> str:
+    return f"{x / MIB:.2f}"
+
+
+def memory_table(rows, n, stage_of) -> list[str]:
+    out = ["| system | " + " | ".join(CATEGORIES) + " | peak total | model states peak "
+           "| paper fp32 | paper mixed (K=12) | peak RSS |", "|---" * (len(CATEGORIES) + 7) + "|"]
+    for r in rows:
+        cats = [sum(r["peaks"].get(c, 0) for c in names) for names in CATEGORIES.values()]
+        stage = stage_of[r["kind"]]
+        out.append(f"| {r['kind']} | " + " | ".join(_mib(c) for c in cats) +
+                   f" | {_mib(r['memory'].get('Total', 0))} | {_mib(r['model_states_peak'])} "
+                   f"| {_mib(model_state_bytes(r['psi'], n, stage, False))} "
+                   f"| {_mib(model_state_bytes(r['psi'], n, stage, True))} | {_mib(r['rss'])} |")
+    return out
+
+
+def traffic_table(rows, n, stage_of) -> list[str]:
+    out = ["| system | " + " | ".join(OPS) + " | total | measured / Ψ | paper / Ψ | our ledger |",
+           "|---" * (len(OPS) + 5) + "|"]
+    ring = (n - 1) / n
+    for r in rows:
+        per_psi = r["elements"] / (r["psi"] * ring) if ring else 0.0
+        ledger = _mib(r["ledger"]) if r["kind"].startswith("zero") else "-"
+        paper = traffic_in_psi(stage_of[r["kind"]])
+        out.append(f"| {r['kind']} | " + " | ".join(_mib(r["sent"].get(o, 0)) for o in OPS) +
+                   f" | {_mib(sum(r['sent'].values()))} | {per_psi:.3f} | {paper:.0f} | {ledger} |")
+    return out
+
+
+def time_table(rows) -> list[str]:
+    ddp = next((r["step_time"] for r in rows if r["kind"] == "ddp"), None)
+    out = ["| system | median step (ms) | vs DDP |", "|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['step_time'] / ddp:.2f}x" if ddp else "-"
+        out.append(f"| {r['kind']} | {1000 * r['step_time']:.1f} | {ratio} |")
+    return out
+
+
+def loss_check(rows) -> str:
+    """Do all systems' losses agree, on every rank and step? Bitwise is expected at N = 2."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get("precision", "fp32"), []).append(r)
+    lines = []
+    for prec, group in groups.items():
+        ref = torch.tensor(group[0].get("losses_all_ranks", [group[0]["losses"]]), dtype=torch.float64)
+        worst = 0.0
+        for r in group[1:]:
+            other = torch.tensor(r.get("losses_all_ranks", [r["losses"]]), dtype=torch.float64)
+            worst = max(worst, ((other - ref).abs() / ref.abs()).max().item())
+        names = ", ".join(r["kind"] for r in group)
+        verdict = "agree bitwise" if worst == 0.0 else f"agree to a relative {worst:.1e}"
+        lines.append(f"Losses ({prec}: {names}) {verdict} over {ref.numel()} (rank, step) values.")
+    return "\n".join(lines)
+
+
+def write(rows, args, argv, stage_of) -> None:
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"{date}-{machine()}{'-sweep' if args.sweep else ''}.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    for r in rows:
+        r["precision"] = "bf16" if args.mixed_precision and not r["kind"].startswith("ddp") else "fp32"
+    head = [
+        f"# Stage comparison{' sweep' if args.sweep else ''}, {date}", "",
+        f"- machine: {machine()} ({cpu_name()}), device {args.device}",
+        f"- torch {torch.__version__}, world size {args.world_size}",
+        f"- command: `python {' '.join(argv)}`",
+    ]
+    if args.sweep:
+        body = sweep_tables(rows, stage_of)
+    else:
+        n, psi = args.world_size, rows[0]["psi"]
+        head += [f"- model: GPT, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
+                 f"batch {args.batch} per rank, Ψ = {psi:,} parameters; AdamW, "
+                 f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]
+        body = ["", "## Memory per rank (MiB; MemTracker: each category's own peak, then the peak total)", "",
+                *memory_table(rows, n, stage_of), "",
+                "## Bytes sent per rank per step (MiB; CommDebugMode, ring accounting)", "",
+                *traffic_table(rows, n, stage_of)]
+        if all(r["step_time"] for r in rows):
+            body += ["", f"## Step time (median of {args.steps} steps, slowest rank)", "",
+                     *time_table(rows)]
+        body += ["", loss_check(rows)]
+        if bad := {r["kind"]: r["unaccounted"] for r in rows if r["unaccounted"]}:
+            body += ["", f"Collectives not accounted in bytes: {bad}"]
+    text = "\n".join(head + body) + "\n"
+    print(text)
+    with open(out, "w") as f:
+        f.write(text)
+    png = plot(rows, out, args, stage_of)
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+
+
+def sweep_tables(rows, stage_of) -> list[str]:
+    out = ["", "## Model-state peak per rank (MiB) and bytes sent per step (MiB)", "",
+           "| Ψ | N | system | model states peak | paper fp32 | sent per step | measured / Ψ |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        n, ring = r["world_size"], (r["world_size"] - 1) / r["world_size"]
+        per_psi = f"{r['elements'] / (r['psi'] * ring):.3f}" if ring else "-"
+        out.append(f"| {r['psi']:,} | {n} | {r['kind']} | {_mib(r['model_states_peak'])} "
+                   f"| {_mib(model_state_bytes(r['psi'], n, stage_of[r['kind']], False))} "
+                   f"| {_mib(sum(r['sent'].values()))} | {per_psi} |")
+    return out
+
+
+def plot(rows, out, args, stage_of) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return None
+    png = out.removesuffix(".md") + ".png"
+    if args.sweep:
+        _plot_sweep(plt, rows, stage_of)
+    else:
+        _plot_stages(plt, rows, args.world_size, stage_of)
+    plt.savefig(png, dpi=120)
+    plt.close("all")
+    return png
+
+
+def _plot_stages(plt, rows, n, stage_of) -> None:
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    kinds = [r["kind"] for r in rows]
+    x = range(len(rows))
+    _stacked(axes[0], kinds, {c: [sum(r["memory"].get(k, 0) for k in names) / MIB for r in rows]
+                              for c, names in CATEGORIES.items()})
+    axes[0].set_title(f"memory per rank at the peak total (MiB), N={n}")
+    measured = [r["model_states_peak"] / MIB for r in rows]
+    paper = [model_state_bytes(r["psi"], n, stage_of[r["kind"]], False) / MIB for r in rows]
+    axes[1].bar([i - 0.2 for i in x], measured, width=0.4, label="measured peak")
+    axes[1].bar([i + 0.2 for i in x], paper, width=0.4, label="paper, fp32 Adam")
+    axes[1].set_xticks(list(x), kinds)
+    axes[1].set_title("model states (params + grads + optimizer), MiB")
+    axes[1].legend(fontsize=8)
+    _stacked(axes[2], kinds, {op: [r["sent"].get(op, 0) / MIB for r in rows] for op in OPS})
+    axes[2].set_title("bytes sent per rank per step (MiB)")
+    if all(r["step_time"] for r in rows):
+        axes[3].bar(kinds, [1000 * r["step_time"] for r in rows], color="gray")
+    axes[3].set_title("median step time (ms)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=35, labelsize=8)
+    fig.tight_layout()
+
+
+def _stacked(ax, labels, series: dict) -> None:
+    bottom = [0.0] * len(labels)
+    for name, vals in series.items():
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.legend(fontsize=8)
+
+
+def _plot_sweep(plt, rows, stage_of) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    biggest = max(r["psi"] for r in rows)
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        pts = sorted((r["world_size"], r["model_states_peak"]) for r in rows
+                     if r["kind"] == kind and r["psi"] == biggest)
+        line = axes[0].plot([p[0] for p in pts], [p[1] / MIB for p in pts], "o-", label=kind)[0]
+        axes[0].plot([p[0] for p in pts],
+                     [model_state_bytes(biggest, p[0], stage_of[kind], False) / MIB for p in pts],
+                     "--", color=line.get_color(), alpha=0.6)
+        pts = sorted((r["psi"], sum(r["sent"].values())) for r in rows
+                     if r["kind"] == kind and r["world_size"] == max(x["world_size"] for x in rows))
+        axes[1].plot([p[0] for p in pts], [p[1] / MIB for p in pts], "o-", label=kind)
+    sizes = sorted({r["world_size"] for r in rows})
+    axes[0].set(xscale="log", yscale="log", xlabel="world size N",
+                title=f"model-state peak per rank (MiB), Ψ={biggest:,}; dashed: paper")
+    axes[0].set_xticks(sizes, [str(x) for x in sizes])
+    axes[1].set(xscale="log", yscale="log", xlabel="parameters Ψ",
+                title=f"bytes sent per rank per step (MiB), N={sizes[-1]}")
+    for ax in axes:
+        ax.minorticks_off()
+        ax.legend(fontsize=8)
+    fig.tight_layout()

@@ -1,0 +1,70 @@
+"""Counting the bytes any system sends, from the outside (for DDP and FSDP2 too).
+
+``CommBytes`` is torch's ``CommDebugMode`` (which counts c10d collectives as they pass the
+dispatcher) extended to add up the bytes each rank sends, with the same ring accounting as
+our ledger (zero/comm.py): (N-1)/N of the full buffer for an all-gather, a reduce-scatter
+or a broadcast (the average over ranks of a pipelined ring broadcast), 2(N-1)/N for an
+all-reduce. Our own collectives pass the same dispatcher, so for our stages ``CommBytes``
+and the ledger must agree: the benchmark checks that they do.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+c10d = torch.ops.c10d
+
+
+def _size(tensors, bytes_: bool) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * (tensors.element_size() if bytes_ else 1)
+    return sum(_size(t, bytes_) for t in tensors)
+
+
+# op -> (name, which argument is the full buffer, ring factor)
+_OPS = {
+    c10d._allgather_base_.default: ("all_gather", 0, 1),
+    c10d.allgather_.default: ("all_gather", 0, 1),
+    c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0, 1),
+    c10d._reduce_scatter_base_.default: ("reduce_scatter", 1, 1),
+    c10d.reduce_scatter_.default: ("reduce_scatter", 1, 1),
+    c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1, 1),
+    c10d.allreduce_.default: ("all_reduce", 0, 2),
+    c10d.allreduce_coalesced_.default: ("all_reduce", 0, 2),
+    c10d.broadcast_.default: ("broadcast", 0, 1),
+}
+
+
+class CommBytes(CommDebugMode):
+    """``with CommBytes() as cb: step()``, then ``cb.sent`` ({op: bytes sent by this rank}),
+    ``cb.elements`` (the same in elements: how the ZeRO paper counts Ψ) and ``cb.calls``."""
+
+    def __init__(self, world_size: int | None = None):
+        super().__init__()
+        self.n = world_size or dist.get_world_size()
+        self.sent: Counter = Counter()
+        self.elements: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.unknown: Counter = Counter()  # collectives we do not account (should stay empty)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _OPS:
+            name, arg, factor = _OPS[func]
+            ring = factor * (self.n - 1) / self.n
+            self.sent[name] += int(_size(args[arg], True) * ring)
+            self.elements[name] += int(_size(args[arg], False) * ring)
+            self.calls[name] += 1
+        elif getattr(func, "namespace", None) == "c10d" and func._overloadpacket in _COLLECTIVES:
+            self.unknown[str(func)] += 1
+        return out
+
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+
+from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops as _COLLECTIVES  # noqa: E402

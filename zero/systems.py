@@ -1,0 +1,146 @@
+"""The systems we compare, each built the same way from the same model (tests, benchmarks).
+
+- "ddp": ``DistributedDataParallel``; "ddp+zro": DDP with torch's ``ZeroRedundancyOptimizer``
+  (torch's ZeRO-1: whole parameters per rank, gradients still all-reduced);
+- "zero1", "zero2", "zero3": ours, ``zero.shard`` on the model's ``units()``;
+- "fsdp2", "fsdp2-noreshard": torch's ``fully_shard`` on the same units, with
+  ``reshard_after_forward`` True (ZeRO-3) or False (ZeRO-2-like).
+
+A model here is one of ``zero.models``: it has ``units()``, ``batch()`` and ``loss()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero
+
+KINDS = ("ddp", "ddp+zro", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
+
+
+def _no_decay(name: str) -> bool:
+    return name.endswith("bias") or ".ln" in name or name.startswith("ln") or "norm" in name
+
+
+def make_optimizer(kind: str, named: list[tuple[str, nn.Parameter]], zro: bool = False):
+    """AdamW, SGD with momentum, or AdamW with per-parameter option groups (chosen by name)."""
+    params = [p for _, p in named]
+    if kind == "sgd":
+        cls, kw, groups = torch.optim.SGD, dict(lr=0.05, momentum=0.9), params
+    elif kind == "adamw":
+        cls, kw, groups = torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params
+    elif kind == "adamw_groups":  # no weight decay on biases and norms; a lower lr for them
+        cls, kw = torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)
+        groups = [
+            {"params": [p for n, p in named if not _no_decay(n)]},
+            {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0, "lr": 3e-3},
+        ]
+    else:
+        raise ValueError(f"unknown optimizer {kind!r}")
+    if zro:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kw)
+    return cls(groups, **kw)
+
+
+class System:
+    """One training setup: a copy of ``base``, its optimizer, and how to read it back.
+
+    Args:
+        kind: one of ``KINDS``.
+        base: the model to copy (it is not modified).
+        opt: "adamw", "sgd" or "adamw_groups".
+        mp: bf16 parameters with fp32 reduction (ours and FSDP2 only).
+        reshard_after_forward: for the non-root units of "zero3" and "fsdp2".
+    """
+
+    def __init__(self, kind: str, base: nn.Module, opt: str = "adamw", mp: bool = False,
+                 reshard_after_forward: bool | None = None):
+        self.kind, self.base = kind, base
+        model = copy.deepcopy(base)
+        if kind in ("ddp", "ddp+zro"):
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # DDP must be told about parameters that get no gradient (UnevenMLP.unused...)
+            unused = getattr(base, "has_unused_parameters", False)
+            self.model = DDP(model, find_unused_parameters=unused)
+            named = [(n.removeprefix("module."), p) for n, p in self.model.named_parameters()]
+            self.opt = make_optimizer(opt, named, zro=kind == "ddp+zro")
+            return
+        if kind.startswith("fsdp2"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            device = next(model.parameters()).device.type
+            mesh = init_device_mesh(device, (dist.get_world_size(),))
+            policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mp else MixedPrecisionPolicy()
+            if kind == "fsdp2-noreshard":
+                reshard_after_forward = False
+            for unit in model.units():
+                kw = {} if (reshard_after_forward is None or unit is model) else {
+                    "reshard_after_forward": reshard_after_forward}
+                fully_shard(unit, mesh=mesh, mp_policy=policy, **kw)
+        else:
+            policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
+            for unit in model.units():
+                rafa = reshard_after_forward if unit is not model else None
+                zero.shard(unit, stage=int(kind[-1]), mp_policy=policy, reshard_after_forward=rafa)
+        self.model = model
+        self.opt = make_optimizer(opt, list(model.named_parameters()))
+
+    def no_sync(self):
+        if self.kind.startswith("ddp"):
+            return self.model.no_sync()
+        if self.kind.startswith("fsdp2"):
+            return _fsdp2_no_sync(self.model)
+        return zero.no_sync(self.model)
+
+    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        if self.kind.startswith("zero"):
+            return zero.clip_grad_norm_(self.model, max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        if self.kind.startswith("ddp"):
+            return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}
+        if self.kind.startswith("fsdp2"):
+            return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+        return {n: t.clone() for n, t in zero.full_state_dict(self.model).items()}
+
+    def step(self, rank: int, step: int, micro: int = 1, clip: tuple | None = None,
+             batch: int = 4):
+        """One optimizer step over ``micro`` micro-batches; returns the losses and clip norm.
+
+        The data depends only on (rank, step, micro-batch), so every system sees the same.
+        """
+        losses = []
+        device = next(iter(self.model.parameters())).device
+        for m in range(micro):
+            gen = torch.Generator().manual_seed(1000 * step + 10 * rank + m)
+            x, y = (t.to(device) for t in self.base.batch(batch, gen))
+            with self.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                loss = self.base.loss(self.model(x), y)
+                loss.backward()
+            losses.append(loss.detach().float())
+        norm = self.clip(*clip) if clip else None
+        self.opt.step()
+        self.opt.zero_grad()
+        return torch.stack(losses), norm
+
+
+class _fsdp2_no_sync(contextlib.AbstractContextManager):
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
