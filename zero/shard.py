@@ -182,7 +182,7 @@ def _before_step(optimizer, args, kwargs) -> None:
 
 def _after_step(optimizer, args, kwargs) -> None:
     for unit in _our_units(optimizer):
-        unit.after_optimizer_step()
+        unit.shard_changed()
 
 
 # ---- model-level helpers -----------------------------------------------------------------------

@@ -158,7 +158,7 @@ class Unit:
         self._views = None
         self.is_unsharded = False
 
-    def after_optimizer_step(self) -> None:
+    def shard_changed(self) -> None:
         """The shard changed: refresh (stages 1/2, async until the next forward) or drop (3)."""
         if self.stage.keep_params:
             self.wait_unshard()
