@@ -59,14 +59,20 @@ def test_stage2_holds_one_unit_of_full_gradient_stage1_holds_all(stage):
 
 
 class _UnshardedBytes(TorchDispatchMode):
-    """After every op: the bytes of all units' unsharded buffers, and each unit's after its forward."""
+    """After every op: the bytes of the units' unsharded buffers (those that reshard, and
+    those that keep their parameters, like the root), and how many resharding units are
+    unsharded at once; and each unit's bytes right after its forward."""
 
     def __init__(self, units):
         super().__init__()
-        self.units, self.peak, self.after_forward = units, 0, []
+        self.units, self.after_forward = units, []
+        self.peak, self.most_units = 0, 0
+        self.resharding = [u for u in units if u.reshard_after_forward]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        live = [u for u in self.resharding if u.unsharded.untyped_storage().nbytes()]
+        self.most_units = max(self.most_units, len(live))
         self.peak = max(self.peak, sum(u.unsharded.untyped_storage().nbytes() for u in self.units))
         return out
 
@@ -84,9 +90,11 @@ def _stage3(rank, n):
     return {
         "states_peak": mt.category_peaks[CPU][MODEL_STATES],
         "unsharded_peak": probe.peak,
+        "most_units": probe.most_units,
         "after_forward": probe.after_forward,
         "psi": sum(u.layout.numel for u in units),
-        "unit_bytes": sorted(4 * u.layout.padded_numel for u in units),
+        "kept_bytes": sum(4 * u.layout.padded_numel for u in units if not u.reshard_after_forward),
+        "unit_bytes": sorted(4 * u.layout.padded_numel for u in probe.resharding),
     }
 
 
@@ -95,8 +103,10 @@ def test_stage3_frees_each_unit_after_forward_and_bounds_model_states():
     after = dict(out["after_forward"])
     assert len(after) == 9 and after.pop("root") > 0  # the root keeps its parameters (FSDP2)
     assert set(after.values()) == {0}, out["after_forward"]  # every block: 0 bytes
+    # The unit computing and the one being prefetched: two units, besides the kept root.
     two_units = sum(out["unit_bytes"][-2:])
-    assert 0 < out["unsharded_peak"] <= two_units, out
+    assert out["most_units"] == 2, out
+    assert 0 < out["unsharded_peak"] <= out["kept_bytes"] + two_units, out
     # params + grads + AdamW state: (4 + 4 + 8) Ψ / N, plus two units' params and full grads
     bound = model_state_bytes(out["psi"], 2, stage=3, mixed_precision=False) + 2 * two_units
     assert out["states_peak"] <= 1.10 * bound, (out["states_peak"], bound)

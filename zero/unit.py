@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from zero import comm
 from zero.flat import FlatLayout
+from zero.root import Root
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,7 @@ class Unit:
         self._reshard_after_forward = reshard_after_forward
         self.requires_grad_sync = True
         self.parent: Unit | None = None
-        self._tree: list[Unit] | None = None  # the root's units, itself first (lazy)
-        self._callback_queued = False
+        self._root: Root | None = None  # the root's duties, if this unit is the root
         self._pieces = {p.param_index: p for p in self.layout.pieces(self.rank)}
         shard = self.layout.shard(self.rank)
         self._slot = slice(shard.offset, shard.offset + shard.size)
@@ -104,7 +104,8 @@ class Unit:
         self._used = [False] * len(params)  # got a gradient since the last reduction
         self._views: list[torch.Tensor] | None = None
         self._grad_shard: torch.Tensor | None = None  # reduced, not yet handed to params
-        self._pending: Any = None  # an async all-gather in flight
+        self._pending: Any = None  # an all-gather in flight
+        self._reduction: Any = None  # a reduce-scatter in flight: (work, full grad, shard)
         self.is_unsharded = stage.keep_params
         self.in_backward = False
         if stage.keep_params:
@@ -132,14 +133,18 @@ class Unit:
                                phase=phase, async_op=async_op)
         self._pending = work
 
-    def unshard(self, phase: str) -> None:
-        """Make the full parameters readable (all-gather, or wait for one in flight)."""
+    def unshard(self, phase: str, async_op: bool = False) -> None:
+        """Make the full parameters readable: all-gather them, or wait for the gather in flight.
+
+        With ``async_op`` the gather is only started (a prefetch); ``wait_unshard`` ends it.
+        """
         if not self.is_unsharded:
             self._unsharded_data.untyped_storage().resize_(
                 self.layout.padded_numel * self._unsharded_data.element_size())
-            self._gather(phase)
+            self._gather(phase, async_op=True)
             self.is_unsharded = True
-        self.wait_unshard()
+        if not async_op:
+            self.wait_unshard()
 
     def wait_unshard(self) -> None:
         if self._pending is not None:
@@ -192,17 +197,28 @@ class Unit:
     # ---- gradients: reduce-scatter, then hand the shard to the parameters -------------------
 
     def reduce_grad(self) -> None:
-        """(N*S,) full flat gradient -> (S,) this rank's shard of its mean over ranks."""
-        grad, self.unsharded.grad = self.unsharded.grad, None  # the full gradient goes now
+        """Start reducing: (N*S,) full flat gradient -> (S,) this rank's shard of the mean.
+
+        Asynchronous: backward goes on while it runs; ``wait_reduce`` ends it.
+        """
+        grad, self.unsharded.grad = self.unsharded.grad, None  # the unit lets go of it
         if grad is None:
             return
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        comm.reduce_scatter(shard, grad, op="avg", group=self.group, unit=self.name,
-                            phase="backward")
+        work = comm.reduce_scatter(shard, grad, op="avg", group=self.group, unit=self.name,
+                                   phase="backward", async_op=True)
+        self._reduction = (work, grad, shard)  # grad stays alive until the collective is done
+
+    def wait_reduce(self) -> None:
+        if self._reduction is None:
+            return
+        work, _, shard = self._reduction
+        work.wait()
+        self._reduction = None  # the full gradient is freed here
         if self._grad_shard is None:
             self._grad_shard = shard
-        else:  # stage 1 reduced twice before a callback: cannot happen, but stay correct
+        else:  # reduced twice before the end of backward (e.g. called after no_sync)
             self._grad_shard += shard
 
     def assign_grads(self, used: list[bool]) -> None:
@@ -227,9 +243,12 @@ class Unit:
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.cast_inputs:
             args, kwargs = tree_map_only(torch.Tensor, self._cast, (args, kwargs))
-        if self.parent is None and not in_backward():
-            self.root_tree()  # lazy init: names and the list of units below
-        self.unshard(phase="backward" if in_backward() else "forward")
+        if in_backward():  # activation-checkpoint recompute: already unsharded for backward
+            self.unshard(phase="backward")
+        else:
+            self.unshard(phase="forward", async_op=True)
+            self.root.forward_started(self)  # records the order; prefetches the next unit
+            self.wait_unshard()
         self.use_unsharded_views(fresh=not in_backward())
         return args, kwargs
 
@@ -251,17 +270,18 @@ class Unit:
         return output
 
     def pre_backward(self, grad: torch.Tensor) -> None:
-        self.root.queue_final_callback()
         if not self.in_backward:
             self.in_backward = True
-            self.unshard(phase="backward")
+            self.unshard(phase="backward", async_op=True)
+            self.root.backward_started(self)  # prefetches the unit before this one
+            self.wait_unshard()
             self.use_unsharded_views(fresh=False)
 
     def post_backward(self, leaf: torch.Tensor) -> None:
         """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
         self.root.queue_final_callback()
         if self.stage.reduce_each_unit and self.requires_grad_sync:
-            self.reduce_grad()
+            self.root.reduce(self)
         # A frozen parameter's data may still be needed for an input gradient after this
         # hook (it feeds no gradient into the leaf), so such units reshard in the callback.
         if all(p.requires_grad for p in self.params):
@@ -277,50 +297,11 @@ class Unit:
             return self.parent is not None  # FSDP2: the root keeps its parameters for backward
         return self._reshard_after_forward
 
-    # ---- the root: end of backward --------------------------------------------------------
-
     @property
-    def root(self) -> "Unit":
-        unit = self
-        while unit.parent is not None:
-            unit = unit.parent
-        return unit
-
-    def root_tree(self) -> list["Unit"]:
-        if self._tree is None:
-            self._tree = []
-            for path, mod in self.module.named_modules():
-                unit = getattr(mod, "_zero_unit", None)
-                if unit is not None:
-                    unit.name = path or "root"
-                    self._tree.append(unit)
-        return self._tree
-
-    def queue_final_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _finish_backward(self) -> None:
-        """Runs once when the whole backward is done: reduce (stage 1), hand out grads, free."""
-        self._callback_queued = False
-        units = self.root_tree()
-        sync = all(u.requires_grad_sync for u in units)
-        if sync:
-            for u in units:
-                if not u.stage.reduce_each_unit:
-                    u.reduce_grad()
-            # A parameter unused on this rank may be used on another: agree on "used" (max),
-            # like DDP's find_unused_parameters, with one small all-reduce per backward.
-            flags = torch.tensor([f for u in units for f in u._used], dtype=torch.uint8)
-            if flags.numel():
-                comm.all_reduce(flags, op="max", group=self.group, unit="root", phase="backward")
-            offset = 0
-            for u in units:
-                n = len(u.params)
-                u.assign_grads(flags[offset : offset + n].tolist())
-                offset += n
-        for u in units:
-            u.use_sharded_params()
-            u.in_backward = False
-            u.reshard()
+    def root(self) -> Root:
+        top = self
+        while top.parent is not None:
+            top = top.parent
+        if top._root is None:
+            top._root = Root(top)
+        return top._root

@@ -1,0 +1,109 @@
+"""The root: the unit with no unit above it, and what it does for every unit below it.
+
+FSDP2 has the same idea (its root state). Only the root can
+- name the units by their paths and list them (lazily, at the first forward);
+- know the order in which units run forward, which stage 3 uses to prefetch: while a unit
+  computes, the *next* unit's all-gather is already running (in backward: the previous
+  unit's), so at most two units are unsharded at once besides any that keep their
+  parameters (the root, by default);
+- bound the reduce-scatters in flight to one, so that at most two units' full gradients
+  are alive while backward goes on;
+- queue one callback for the end of backward that finishes every unit: stage 1's
+  reduce-scatters, agreeing on which parameters got a gradient, handing the gradient
+  shards to the parameters, and freeing stage 3's parameters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from zero import comm
+
+if TYPE_CHECKING:
+    from zero.unit import Unit
+
+
+class Root:
+    def __init__(self, unit: "Unit"):
+        self.unit = unit
+        self._units: list[Unit] | None = None
+        self.order: list[Unit] = []  # units in the order their forward ran, this iteration
+        self.last_order: list[Unit] = []  # the same for the previous iteration
+        self._callback_queued = False
+        self._reducing: Unit | None = None  # whose reduce-scatter is in flight
+
+    @property
+    def units(self) -> list["Unit"]:
+        """All units under the root, the root first, named by their module paths."""
+        if self._units is None:
+            self._units = []
+            for path, mod in self.unit.module.named_modules():
+                unit = getattr(mod, "_zero_unit", None)
+                if unit is not None:
+                    unit.name = path or "root"
+                    self._units.append(unit)
+        return self._units
+
+    # ---- prefetching ------------------------------------------------------------------
+
+    def forward_started(self, unit: "Unit") -> None:
+        """``unit`` starts its forward: record it, and start gathering the unit after it."""
+        if unit is self.unit:  # the root's forward opens an iteration
+            self.last_order, self.order = self.order or self.last_order, []
+            self.units  # noqa: B018  (name the units before the first collective)
+        pos = len(self.order)
+        self.order.append(unit)
+        nxt = self.last_order[pos + 1] if pos + 1 < len(self.last_order) else None
+        if nxt is not None and self.last_order[pos] is unit and not nxt.stage.keep_params:
+            nxt.unshard(phase="forward", async_op=True)
+
+    def backward_started(self, unit: "Unit") -> None:
+        """``unit`` starts its backward: start gathering the unit that ran before it."""
+        self.queue_final_callback()
+        idx = max((i for i, u in enumerate(self.order) if u is unit), default=0)
+        if idx > 0 and not self.order[idx - 1].stage.keep_params:
+            self.order[idx - 1].unshard(phase="backward", async_op=True)
+
+    def reduce(self, unit: "Unit") -> None:
+        """Start ``unit``'s reduce-scatter, after the one in flight (at most one at a time)."""
+        if self._reducing is not None:
+            self._reducing.wait_reduce()
+        unit.reduce_grad()
+        self._reducing = unit
+
+    # ---- the end of backward ----------------------------------------------------------
+
+    def queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        """Runs once when the whole backward is done: reduce (stage 1), hand out grads, free."""
+        self._callback_queued = False
+        self.last_order, self.order = self.order, []
+        units = self.units
+        if all(u.requires_grad_sync for u in units):
+            for u in units:
+                if not u.stage.reduce_each_unit:
+                    self.reduce(u)  # stage 1: every unit now, one after another
+            for u in units:
+                u.wait_reduce()
+            # A parameter unused on this rank may be used on another: agree on "used" (max),
+            # like DDP's find_unused_parameters, with one small all-reduce per backward.
+            flags = torch.tensor([f for u in units for f in u._used], dtype=torch.uint8,
+                                 device=self.unit.unsharded.device)
+            if flags.numel():
+                comm.all_reduce(flags, op="max", group=self.unit.group, unit="root",
+                                phase="backward")
+            self._reducing = None
+            offset = 0
+            for u in units:
+                u.assign_grads(flags[offset : offset + len(u.params)].tolist())
+                offset += len(u.params)
+        for u in units:
+            u.use_sharded_params()
+            u.in_backward = False
+            u.reshard()
