@@ -1,0 +1,287 @@
+"""Checkpoints: sharded save and load on ``torch.distributed.checkpoint`` (DCP), in FSDP2's layout.
+
+    zero.save("ckpt", model, opt)     # every rank writes its own chunks, in parallel
+    zero.load("ckpt", model, opt)     # at any world size, into any stage
+    python -m zero.checkpoint export ckpt model.pt   # one file for nn.Module.load_state_dict
+
+What goes to disk is what an FSDP2 user writes with ``dcp.save({"model": msd, "optim": osd})``
+after ``msd, osd = get_state_dict(model, opt)``: one entry per original parameter, by name and
+full shape, each rank holding FSDP2's dim-0 chunk of it (``zero/fsdp2_layout.py``); the optimizer
+state likewise, and its param groups by parameter name. Nothing in it depends on our flat
+layout, the world size or the stage, so DCP reshards on load by reading whichever bytes
+overlap each rank's chunk, and FSDP2 reads our checkpoints and we read theirs
+(notes/07-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
+
+Writes are atomic: a crash during ``save`` leaves the previous checkpoint loadable
+(``zero/checkpoint_dir.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from zero import checkpoint_dir as ckdir
+from zero import comm
+from zero.fsdp2_layout import chunk_of, chunks_to_flat, flat_to_chunks, mesh_of, to_dtensor
+from zero.shard import units_of
+
+
+def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """Save ``model`` (and ``optimizer``) as a new version under ``path``; call on every rank.
+
+    Args:
+        path: the checkpoint directory, on a file system every rank sees.
+        model: a model sharded with ``zero.shard`` (any stage).
+        optimizer: its optimizer, or None for the parameters only.
+
+    Returns:
+        The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
+    """
+    state = state_dict(model, optimizer)
+    version = _on_rank0("pick a version directory", ckdir.next_version, path)
+    dcp.save(state, storage_writer=FileSystemWriter(os.path.join(path, version)))
+    _on_rank0("point 'latest' at the new checkpoint", ckdir.commit, path, version)
+    return os.path.join(path, version)
+
+
+def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """What ``save`` writes: ``{"model": ..., "optim": ...}`` as FSDP2's ``get_state_dict`` returns.
+
+    Collective (one all-gather per unit and tensor kind); every rank gets its own chunks.
+    """
+    units = units_of(model)
+    state = {"model": _model_state(model, units)}
+    if optimizer is not None:
+        state["optim"] = _optim_state(model, optimizer, units)
+    return state
+
+
+def _model_state(model: nn.Module, units) -> dict:
+    """FSDP2's model state dict: a Shard(0) DTensor per parameter, buffers as they are."""
+    chunks = {}
+    for unit in units:
+        mesh = mesh_of(unit.group, unit.sharded.device)
+        for i, t in enumerate(flat_to_chunks(unit, unit.sharded)):
+            chunks[unit, i] = to_dtensor(t, unit.layout.shapes[i], mesh)
+    return {name: chunks[t._zero_unit, t._zero_index] if hasattr(t, "_zero_unit") else t.detach()
+            for name, t in model.state_dict(keep_vars=True).items()}  # tied: every name, as FSDP2
+
+
+def _optim_state(model: nn.Module, optimizer, units) -> dict:
+    """FSDP2's optimizer state dict: state and param groups keyed by parameter name."""
+    names = _first_names(model)
+    saved = optimizer.state_dict()  # keyed by position in the param groups
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}
+    for unit in units:
+        mesh = mesh_of(unit.group, unit.sharded.device)
+        for key, holders in _elementwise(unit, optimizer).items():
+            shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
+            for i in holders:
+                lo, n = _slot(unit, i)
+                shard[lo : lo + n] = optimizer.state[unit.params[i]][key]
+            chunks = flat_to_chunks(unit, shard)
+            for i in holders:
+                state[names[unit.params[i]]][key] = to_dtensor(chunks[i], unit.layout.shapes[i], mesh)
+    groups = [{**g, "params": [names[params[i]] for i in g["params"]]} for g in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _elementwise(unit, optimizer) -> dict[str, list[int]]:
+    """Optimizer state keys shaped like the parameter's piece (exp_avg, not step): which params."""
+    found: dict[str, list[int]] = {}
+    for i, p in enumerate(unit.params):
+        for key, v in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                found.setdefault(key, []).append(i)
+    return dict(sorted(found.items()))  # the same order on every rank
+
+
+def _slot(unit, i: int) -> tuple[int, int]:
+    piece = unit._pieces.get(i)
+    return (piece.shard_offset, piece.length) if piece else (0, 0)
+
+
+def _first_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: name for name, p in model.named_parameters()}  # a tied parameter: its first name
+
+
+def _on_rank0(what: str, fn: Callable, *args):
+    """Run ``fn`` on rank 0; every rank returns its result or raises its error (never hangs)."""
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = (True, fn(*args))
+        except Exception as e:  # noqa: BLE001 (reported on every rank below)
+            outcome = (False, f"{type(e).__name__}: {e}")
+    ok, value = comm.all_gather_object(outcome)[0]
+    if not ok:
+        raise RuntimeError(f"rank 0 could not {what} in the checkpoint directory: {value}")
+    return value
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+
+def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """Load a checkpoint into ``model`` (and ``optimizer``); call on every rank.
+
+    Args:
+        path: a ``zero.save`` directory (its ``latest`` is read) or any DCP checkpoint in
+            FSDP2's layout (``dcp.save({"model": ..., "optim": ...})``), saved at any world
+            size and stage.
+        model: the same model, sharded with ``zero.shard``.
+        optimizer: an optimizer built on ``model.parameters()``, with or without state yet;
+            its state and param-group options are replaced by the checkpoint's.
+
+    Returns:
+        The DCP directory read.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        RuntimeError: the checkpoint is corrupt or truncated (names the keys affected).
+        ValueError: it was saved from another model (names the keys and shapes that differ).
+    """
+    ckpt = ckdir.resolve(path)
+    meta = ckdir.read_metadata(ckpt)
+    units, names = units_of(model), _first_names(model)
+    entries = model.state_dict(keep_vars=True)  # the names to fill: tied ones, buffers too
+    shapes = {k: t._zero_unit.layout.shapes[t._zero_index] if hasattr(t, "_zero_unit") else t.shape
+              for k, t in entries.items()}
+    elementwise = ckdir.check_fits(ckpt, meta, shapes, optimizer is not None)
+    template, chunks = _templates(meta, units, names, entries, elementwise, optimizer is not None)
+    try:
+        dcp.load(template, storage_reader=FileSystemReader(ckpt))
+    except CheckpointException as e:
+        raise RuntimeError(f"reading {ckpt} failed; its data files are corrupt: {e}") from e
+
+    with torch.no_grad():
+        for unit in units:
+            shard = chunks_to_flat(unit, [_local(c) for c in chunks[unit]])
+            unit.wait_unshard()  # stages 1/2: a gather of the old shard must not land after this
+            unit.sharded.copy_(shard)
+            unit.shard_changed()  # stages 1/2 re-gather their full parameters, stage 3 drops them
+        for k, t in entries.items():
+            if not hasattr(t, "_zero_unit"):
+                t.copy_(template["model"][k])  # buffers and unsharded parameters: whole
+    if optimizer is not None:
+        _load_optim(optimizer, units, names, template["optim"], elementwise)
+    return ckpt
+
+
+def _templates(meta, units, names, entries, elementwise, with_optim: bool):
+    """What DCP loads into: this rank's FSDP2 chunk of each parameter and elementwise state
+    (so it reads only the bytes that overlap it), everything else whole."""
+    device = units[0].sharded.device
+    template = ckdir.plain_template(meta, {"model", "optim"} if with_optim else {"model"}, device)
+    chunks = {}
+    for unit in units:
+        mesh = mesh_of(unit.group, device)
+        chunks[unit] = []
+        for p, shape in zip(unit.params, unit.layout.shapes):
+            mine = chunk_of(shape, unit.world_size, unit.rank).shape
+            chunks[unit].append(to_dtensor(unit.sharded.new_empty(mine), shape, mesh))
+            state = template["optim"].get("state", {}).get(names[p], {}) if with_optim else {}
+            for key in elementwise.get(names[p], ()):
+                state[key] = to_dtensor(state[key].new_empty(mine), shape, mesh)
+    for k, t in entries.items():
+        if hasattr(t, "_zero_unit"):
+            template["model"][k] = chunks[t._zero_unit][t._zero_index]
+    return template, chunks
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _load_optim(optimizer, units, names, saved: dict, elementwise: dict) -> None:
+    """Rebuild torch's positional optimizer state dict for our pieces, then load it."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {p: i for i, p in enumerate(params)}
+    saved.setdefault("state", {})  # saved before the first step: param groups only
+    state = {}
+    for p in params:
+        if names[p] in saved["state"]:
+            state[index[p]] = {k: v for k, v in saved["state"][names[p]].items()
+                               if k not in elementwise.get(names[p], ())}
+    for unit in units:
+        keys = sorted({k for p in unit.params for k in elementwise.get(names[p], ())})
+        for key in keys:  # one all-gather per unit and state key, like saving
+            owned = [key in elementwise.get(names[p], ()) for p in unit.params]
+            got = [_local(saved["state"][names[p]][key]) if o else None
+                   for p, o in zip(unit.params, owned)]
+            shard = chunks_to_flat(unit, got)
+            for i, p in enumerate(unit.params):
+                if owned[i] and p in index:
+                    lo, n = _slot(unit, i)
+                    state[index[p]][key] = shard[lo : lo + n].clone()
+    groups = []
+    for g in optimizer.param_groups:
+        mine = [names[p] for p in g["params"]]
+        match = [s for s in saved["param_groups"] if set(s["params"]) == set(mine)]
+        if not match:
+            raise ValueError(
+                f"no parameter group in the checkpoint holds exactly {mine}; its groups hold "
+                f"{[s['params'] for s in saved['param_groups']]}. Build the optimizer with the "
+                "same parameter groups as the one that was saved")
+        if set(match[0]) != set(g):
+            raise ValueError(
+                f"the checkpoint's optimizer has options {sorted(set(match[0]) - set(g))} that "
+                f"this one lacks, and lacks {sorted(set(g) - set(match[0]))}: it was another "
+                "optimizer class. Build the same class as was saved")
+        groups.append({**match[0], "params": [index[p] for p in g["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---- export: one plain file (DeepSpeed's zero_to_fp32) -------------------------------------
+
+
+def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
+    """Consolidate a checkpoint's model into one ``torch.save`` file of ``{name: full tensor}``.
+
+    Runs in one process, without a process group, and holds the whole model in memory (that is
+    the point). A plain unsharded model loads the file with ``load_state_dict``.
+    """
+    ckpt = ckdir.resolve(path)
+    meta = ckdir.read_metadata(ckpt)
+    ckdir.check_files(ckpt, meta)
+    template = ckdir.plain_template(meta, {"model"}, "cpu")
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    state = template.get("model", {})
+    tmp = f"{out_file}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, out_file)  # atomic, like the checkpoint itself
+    return state
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zero.checkpoint",
+                                     description="Tools for zero.save checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="write one torch.save file of {name: full tensor}")
+    ex.add_argument("checkpoint", help="a zero.save directory or any DCP checkpoint")
+    ex.add_argument("out", help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        state = export(args.checkpoint, args.out)
+    except (OSError, RuntimeError, ValueError) as e:  # our errors say what to do: no traceback
+        parser.exit(1, f"error: {e}\n")
+    numel = sum(t.numel() for t in state.values() if torch.is_tensor(t))
+    print(f"wrote {args.out}: {len(state)} tensors, {numel:,} elements")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""FSDP2's per-parameter layout, and moving one unit's flat shard to it and back.
+
+[Note: two layouts of the same numbers]
+- Ours (``zero/flat.py``): a unit's parameters end to end in one padded buffer, cut into N
+  equal slices; rank r holds elements ``[r * S, (r + 1) * S)`` of the *unit*.
+- FSDP2's (``fully_shard``): each *parameter* cut along dim 0 like ``torch.chunk``: with
+  ``c = ceil(d0 / N)`` rows a chunk, rank r holds rows ``[r * c, (r + 1) * c)``, clipped to
+  ``d0``, so the last ranks may hold fewer rows or none. It is a ``DTensor`` with ``Shard(0)``.
+Rows are contiguous in a row-major tensor, so each rank's part is a contiguous run of a
+parameter's flattened elements in both layouts; only the boundaries differ. Moving from one
+to the other therefore needs other ranks' data. Here that is done one unit at a time with one
+all-gather of the unit (the same transient buffer stage 3 gathers for its forward), keeping
+the 1/N that this rank needs. A 0-d parameter has no dim 0: FSDP2 cannot shard it, and we
+store it whole (replicated) on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from zero import comm
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rank r's FSDP2 chunk of one parameter: flattened elements ``[start, stop)``."""
+
+    start: int
+    stop: int
+    shape: torch.Size  # (rows, *shape[1:]); () for a 0-d parameter
+    padded: int  # c rows' worth of elements: what every rank sends for it in an all-gather
+
+
+def chunk_of(shape: torch.Size, world_size: int, rank: int) -> Chunk:
+    """This rank's dim-0 chunk of a parameter of ``shape`` (``torch.chunk``'s arithmetic)."""
+    if len(shape) == 0:
+        return Chunk(0, 1, torch.Size(), padded=0)  # replicated: nothing to gather
+    rows, row = shape[0], shape[1:].numel()
+    c = -(-rows // world_size)
+    lo, hi = min(rank * c, rows), min((rank + 1) * c, rows)
+    return Chunk(lo * row, hi * row, torch.Size([hi - lo, *shape[1:]]), padded=c * row)
+
+
+def to_dtensor(chunk: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> torch.Tensor:
+    """Wrap this rank's chunk as the ``Shard(0)`` DTensor FSDP2 would hold (0-d: as is)."""
+    if len(shape) == 0:
+        return chunk
+    stride = torch.empty(shape, device="meta").stride()
+    # Uneven chunks: the global shape and stride must be given, DTensor cannot infer them.
+    return DTensor.from_local(chunk, mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=stride)
+
+
+def mesh_of(group, device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over an existing process group (no new communicator is created)."""
+    return DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+
+
+def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
+    """(S,) a unit-shaped shard on each rank -> this rank's FSDP2 chunk of every parameter.
+
+    ``shard`` is ``unit.sharded`` or anything laid out like it (an optimizer state).
+    """
+    layout = unit.layout
+    if layout.padded_numel == 0:
+        return []
+    flat = shard.new_empty(layout.padded_numel)
+    # (S,) per rank -> (N*S,): the whole unit, transient
+    comm.all_gather(flat, shard, group=unit.group, unit=unit.name, phase="other")
+    chunks = []
+    for shape, offset in zip(layout.shapes, layout.offsets):
+        ch = chunk_of(shape, unit.world_size, unit.rank)
+        chunks.append(flat[offset + ch.start : offset + ch.stop].clone().view(ch.shape))
+    return chunks
+
+
+def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
+    """This rank's FSDP2 chunk of every parameter (None: zeros) -> (S,) this rank's shard.
+
+    Every rank contributes its chunks, each padded to ``Chunk.padded``, to one all-gather;
+    then each piece of this rank's shard is copied out of the chunks that overlap it.
+    """
+    layout, n = unit.layout, unit.world_size
+    mine = [chunk_of(s, n, unit.rank) for s in layout.shapes]
+    seg = [0]  # where each parameter's padded chunk sits in a rank's contribution
+    for ch, t in zip(mine, chunks):
+        seg.append(seg[-1] + (ch.padded if t is not None else 0))
+    dtype = next((t.dtype for t in chunks if t is not None), unit.sharded.dtype)
+    send = unit.sharded.new_zeros(seg[-1], dtype=dtype)
+    for i, (ch, t) in enumerate(zip(mine, chunks)):
+        if t is not None and ch.padded:  # not a 0-d parameter: every rank has that whole
+            send[seg[i] : seg[i] + t.numel()] = t.reshape(-1)
+    got = send.new_empty(n * seg[-1])
+    if seg[-1]:
+        # (L,) per rank -> (N*L,): every rank's chunks of this unit, transient
+        comm.all_gather(got, send, group=unit.group, unit=unit.name, phase="other")
+
+    shard = unit.sharded.new_zeros(layout.shard_numel, dtype=dtype)
+    for piece in layout.pieces(unit.rank):
+        i, want = piece.param_index, piece.param_offset
+        if chunks[i] is None:
+            continue
+        if len(layout.shapes[i]) == 0:  # 0-d: every rank loaded the whole value
+            shard[piece.shard_offset] = chunks[i].reshape(())
+            continue
+        for q in range(n):  # the ranks whose chunk overlaps this piece
+            ch = chunk_of(layout.shapes[i], n, q)
+            lo, hi = max(ch.start, want), min(ch.stop, want + piece.length)
+            if lo < hi:
+                src = q * seg[-1] + seg[i] + lo - ch.start
+                dst = piece.shard_offset + lo - want
+                shard[dst : dst + hi - lo] = got[src : src + hi - lo]
+    return shard
