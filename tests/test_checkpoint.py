@@ -411,7 +411,7 @@ def test_export_loads_into_a_plain_model_and_the_command_line_writes_the_same(tm
     plain.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict: every key, every shape
     assert first_difference({n: p.detach() for n, p in plain.named_parameters()}, full) is None
 
-    cli = [sys.executable, "-m", "zero.checkpoint", "export", str(tmp_path / "ckpt"),
+    cli = [sys.executable, "-m", "zero", "export", str(tmp_path / "ckpt"),
            str(tmp_path / "cli.pt")]
     done = subprocess.run(cli, capture_output=True, text=True, cwd=os.path.dirname(zero.__path__[0]))
     assert done.returncode == 0 and done.stderr == "" and "wrote" in done.stdout, done.stderr

@@ -2,7 +2,7 @@
 
     zero.save("ckpt", model, opt)     # every rank writes its own chunks, in parallel
     zero.load("ckpt", model, opt)     # at any world size, into any stage
-    python -m zero.checkpoint export ckpt model.pt   # one file for nn.Module.load_state_dict
+    python -m zero export ckpt model.pt   # one file for nn.Module.load_state_dict
 
 What goes to disk is what an FSDP2 user writes with ``dcp.save({"model": msd, "optim": osd})``
 after ``msd, osd = get_state_dict(model, opt)``: one entry per original parameter, by name and
@@ -18,7 +18,6 @@ Writes are atomic: a crash during ``save`` leaves the previous checkpoint loadab
 
 from __future__ import annotations
 
-import argparse
 import os
 import warnings
 from collections.abc import Callable
@@ -265,23 +264,3 @@ def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     torch.save(state, tmp)
     os.replace(tmp, out_file)  # atomic, like the checkpoint itself
     return state
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m zero.checkpoint",
-                                     description="Tools for zero.save checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="write one torch.save file of {name: full tensor}")
-    ex.add_argument("checkpoint", help="a zero.save directory or any DCP checkpoint")
-    ex.add_argument("out", help="the .pt file to write")
-    args = parser.parse_args(argv)
-    try:
-        state = export(args.checkpoint, args.out)
-    except (OSError, RuntimeError, ValueError) as e:  # our errors say what to do: no traceback
-        parser.exit(1, f"error: {e}\n")
-    numel = sum(t.numel() for t in state.values() if torch.is_tensor(t))
-    print(f"wrote {args.out}: {len(state)} tensors, {numel:,} elements")
-
-
-if __name__ == "__main__":
-    main()

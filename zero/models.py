@@ -78,6 +78,19 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+@torch.no_grad()
+def gpt_init(module: nn.Module) -> None:
+    """GPT-2's initialisation, one module at a time (an ``init_fn`` for zero.init_parameters):
+    N(0, 0.02) weights, zero biases, unit norms. The tied head re-draws the shared weight."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
 class UnevenMLP(nn.Module):
     """Sizes 13 -> 37 -> 29 -> 7, a frozen middle layer, and ``unused`` never called."""
 

@@ -93,17 +93,23 @@ class Root:
                 u.wait_reduce()
             # A parameter unused on this rank may be used on another: agree on "used" (max),
             # like DDP's find_unused_parameters, with one small all-reduce per backward.
-            flags = torch.tensor([f for u in units for f in u._used], dtype=torch.uint8,
-                                 device=self.unit.unsharded.device)
-            if flags.numel():
+            used = [f for u in units for f in u._used]
+            if used and self.unit.world_size > 1 and not _simulated(self.unit.group):
+                flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
                 comm.all_reduce(flags, op="max", group=self.unit.group, unit="root",
                                 phase="backward")
+                used = [bool(f) for f in flags.tolist()]
             self._reducing = None
             offset = 0
             for u in units:
-                u.assign_grads(flags[offset : offset + len(u.params)].tolist())
+                u.assign_grads(used[offset : offset + len(u.params)])
                 offset += len(u.params)
         for u in units:
             u.use_sharded_params()
             u.in_backward = False
             u.reshard()
+
+
+def _simulated(group) -> bool:
+    """The fake process group (benchmarks/simulate.py) moves no data: nothing to agree on."""
+    return torch.distributed.get_backend(group) == "fake"

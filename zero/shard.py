@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -33,6 +34,7 @@ def shard(
     group=None,
     mp_policy: MixedPrecision | None = None,
     reshard_after_forward: bool | None = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -46,6 +48,9 @@ def shard(
         reshard_after_forward: stage 3 only. Free the parameters after forward and gather
             them again for backward (True), or keep them until the unit's backward is done
             (False: FSDP2's ZeRO-2-like mode). None: False for the root, True otherwise.
+        device: where the shards live when ``module`` is on the meta device (default: the
+            current accelerator for an accelerator backend, else the CPU); each rank then
+            allocates only its own shards, and ``zero.init_parameters`` fills them.
 
     Returns:
         ``module``, whose parameters are now this rank's pieces (same names). Build the
@@ -76,7 +81,7 @@ def shard(
             f"{names}; cast the module (module.to(dtype)) or shard the differing sub-modules "
             "as their own units first")
 
-    device = next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
+    device = _device(module, group, device)
     unit = Unit(module, params, locations, STAGES[stage], group, mp_policy,
                 reshard_after_forward, device)
     _check_same_on_all_ranks(unit, module, params)
@@ -93,6 +98,21 @@ def shard(
         unit.unsharded.register_post_accumulate_grad_hook(unit.post_backward)
     _install_optimizer_hooks()
     return module
+
+
+def _device(module: nn.Module, group, device) -> torch.device:
+    found = next(iter([*module.parameters(), *module.buffers()]), None)
+    if found is not None and found.device.type != "meta":
+        if device is not None and torch.device(device) != found.device:
+            raise ValueError(f"device={device} but the module is on {found.device}; move the "
+                             "module first, or build it on the meta device")
+        return found.device
+    if device is not None:
+        return torch.device(device)
+    accelerator = torch.accelerator.current_accelerator()
+    if dist.get_backend(group) in ("gloo", "fake") or accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _own_parameters(module: nn.Module, children: list[Unit]):
@@ -133,6 +153,8 @@ def _names(module: nn.Module, params):
 
 def _check_same_on_all_ranks(unit: Unit, module: nn.Module, params) -> None:
     """One small all-gather: every rank must be sharding the same structure, or none trains."""
+    if dist.get_backend(unit.group) == "fake":  # a simulation: there are no other ranks
+        return
     desc = [type(module).__name__, unit.stage.number, str(unit.param_dtype)]
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in _names(module, params)]
     digest = int.from_bytes(hashlib.blake2b(repr(desc).encode(), digest_size=7).digest(), "big")

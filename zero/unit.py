@@ -86,19 +86,25 @@ class Unit:
         shard = self.layout.shard(self.rank)
         self._slot = slice(shard.offset, shard.offset + shard.size)
 
+        # A module built on the meta device has no values yet: zero.init_parameters fills them.
+        self.materialized = not any(p.is_meta for p in params)
         with torch.no_grad():
-            full = self.layout.flatten([p.detach() for p in params]) if params else torch.empty(
-                0, device=device)
             # Autograd leaf first; _unsharded_data aliases its storage (see the module note).
-            self.unsharded = torch.empty_like(full, dtype=self.param_dtype)
+            self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.param_dtype,
+                                         device=device)
             self._unsharded_data = self.unsharded.data
-            if stage.keep_params and self.param_dtype == dtype:
+            self._shard_in_place = stage.keep_params and self.param_dtype == dtype
+            if self._shard_in_place:
                 # Stages 1/2 without a cast: the shard lives inside the full buffer, so the
                 # all-gather after each step happens in place and params cost Ψ, not Ψ + Ψ/N.
-                self._unsharded_data.copy_(full)
                 self.sharded = self._unsharded_data[self._slot]
             else:
-                self.sharded = full[self._slot].clone()
+                self.sharded = torch.empty(self.layout.shard_numel, dtype=dtype, device=device)
+            self.sharded.zero_()  # the padding stays zero
+            if self.materialized:
+                for i, piece in self._pieces.items():  # only our pieces: no full copy
+                    flat = params[i].detach().reshape(-1)
+                    self._piece(self.sharded, i).copy_(flat[piece.param_offset :][: piece.length])
         self.unsharded.requires_grad_(any(p.requires_grad for p in params))
         self.params = [self._sharded_param(i, p) for i, p in enumerate(params)]
         self._used = [False] * len(params)  # got a gradient since the last reduction
@@ -108,15 +114,18 @@ class Unit:
         self._reduction: Any = None  # a reduce-scatter in flight: (work, full grad, shard)
         self.is_unsharded = stage.keep_params
         self.in_backward = False
-        if stage.keep_params:
-            self._gather(phase="init")  # every rank starts from the same full parameters
-        else:
+        if not stage.keep_params:
             self._free_unsharded()
+        elif self.materialized:
+            self._gather(phase="init")  # every rank starts from the same full parameters
+
+    def _piece(self, flat_shard: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's piece of a shard-sized buffer (empty if this rank holds none of it)."""
+        piece = self._pieces.get(i)
+        return flat_shard[piece.shard_offset :][: piece.length] if piece else flat_shard[:0]
 
     def _sharded_param(self, i: int, orig: nn.Parameter) -> nn.Parameter:
-        piece = self._pieces.get(i)
-        lo, n = (piece.shard_offset, piece.length) if piece else (0, 0)
-        p = nn.Parameter(self.sharded[lo : lo + n], requires_grad=orig.requires_grad)
+        p = nn.Parameter(self._piece(self.sharded, i), requires_grad=orig.requires_grad)
         p._zero_unit, p._zero_index = self, i
         return p
 
@@ -126,7 +135,7 @@ class Unit:
         if self.layout.padded_numel == 0:
             return
         slot = self._unsharded_data[self._slot]
-        if slot.data_ptr() != self.sharded.data_ptr():
+        if not self._shard_in_place:
             slot.copy_(self.sharded)  # cast the fp32 shard to param_dtype once, before the gather
         # (N*S,) <- (S,) per rank; in place: our slot of the output is the input
         work = comm.all_gather(self._unsharded_data, slot, group=self.group, unit=self.name,
@@ -138,6 +147,10 @@ class Unit:
 
         With ``async_op`` the gather is only started (a prefetch); ``wait_unshard`` ends it.
         """
+        if not self.materialized:
+            raise RuntimeError(
+                f"unit {self.name} was sharded from the meta device and has no values yet: "
+                "call zero.init_parameters(model, init_fn) before the first forward")
         if not self.is_unsharded:
             self._unsharded_data.untyped_storage().resize_(
                 self.layout.padded_numel * self._unsharded_data.element_size())
@@ -163,11 +176,14 @@ class Unit:
         self._views = None
         self.is_unsharded = False
 
-    def shard_changed(self) -> None:
-        """The shard changed: refresh (stages 1/2, async until the next forward) or drop (3)."""
+    def shard_changed(self, phase: str = "step") -> None:
+        """The shard now holds new values: refresh (stages 1/2, async until the next forward)
+        or drop (stage 3) the full parameters. Whoever writes ``sharded`` must first call
+        ``wait_unshard()`` (a stage 1/2 gather may still be reading it), then this."""
+        self.materialized = True
         if self.stage.keep_params:
             self.wait_unshard()
-            self._gather(phase="step", async_op=True)
+            self._gather(phase=phase, async_op=True)
         else:
             self.reshard()
 
@@ -231,8 +247,7 @@ class Unit:
         for i, p in enumerate(self.params):
             if not used[i]:
                 continue  # unused everywhere: grad stays None, as in DDP
-            piece = self._pieces.get(i)
-            g = shard[piece.shard_offset : piece.shard_offset + piece.length] if piece else shard[:0]
+            g = self._piece(shard, i)
             if p.grad is None:
                 p.grad = g
             else:

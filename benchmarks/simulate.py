@@ -1,0 +1,166 @@
+"""How much memory per GPU will my model need under each ZeRO stage, on N GPUs?
+
+Answered with our real sharding code, not only a formula: a GPT of about the requested size
+is built on the meta device, sharded with ``zero.shard`` as rank R of a *fake* process group
+of N ranks, and trained for one step (forward, backward, AdamW) under ``FakeTensorMode``:
+every tensor has a shape and a dtype but no memory, and collectives move nothing. torch's
+MemTracker (``zero.memory.ZeroMemTracker``) measures what rank R would hold.
+
+    python benchmarks/simulate.py --params 7.5e9 --world-size 64 --stage 1,2,3 --mixed-precision
+    python benchmarks/simulate.py --table1            # the ZeRO paper's Table 1, ours beside it
+    python benchmarks/simulate.py --table2 --memory 32e9   # the largest model that fits (Table 2)
+
+Model states are what the paper counts: parameters (the fp32 master shard, and for stages
+1/2 the full compute copy), gradients at their largest (full for stage 1, sharded for 2/3)
+and optimizer state. Transient bytes (stage 3's unsharded units, a unit's full gradient
+until it is reduced, the upcast reduce buffer) are reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zero
+from zero.init import init_parameters
+from zero.memory import ZeroMemTracker, model_state_bytes
+from zero.models import GPT, GPTConfig
+
+VOCAB, SEQ, BATCH = 50304, 128, 1  # a short sequence: activations are not model states
+PAPER_TABLE1 = {  # ZeRO paper, Table 1: 7.5B parameters, K = 12, GB per device
+    4: (52.5, 41.2, 30.0), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88), 1024: (30.1, 15.1, 0.12)}
+GB = 1e9
+
+
+def gpt_config(params: float) -> GPTConfig:
+    """A GPT-shaped config (head size 128, width/depth between 40 and 200 as in GPT-2/3)
+    with about ``params`` parameters: the widest within 2%, else the closest."""
+    options = []
+    for dim in (256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 12288, 16384):
+        per_block = 12 * dim * dim + 13 * dim  # qkv, proj, fc, out with biases, two norms
+        layers = max(1, round((params - (VOCAB + SEQ + 2) * dim) / per_block))
+        got = layers * per_block + (VOCAB + SEQ + 2) * dim
+        shape_penalty = 0 if 40 <= dim / layers <= 200 else 1
+        close = abs(got - params) <= 0.02 * params  # within 2%: prefer fewer, wider layers
+        options.append((shape_penalty, not close, -dim if close else abs(got - params), dim, layers))
+    *_, dim, layers = min(options)
+    return GPTConfig(vocab=VOCAB, seq=SEQ, dim=dim, layers=layers, heads=max(1, dim // 128))
+
+
+def simulate(params: float, world_size: int, stage: int, mixed_precision: bool = False,
+             rank: int = 0) -> dict:
+    """One training step of rank ``rank`` of ``world_size``, on fake tensors; its memory."""
+    cfg = gpt_config(params)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with FakeTensorMode():
+            with torch.device("meta"):
+                model = GPT(cfg)
+            policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mixed_precision else None
+            for unit in model.units():
+                zero.shard(unit, stage=stage, mp_policy=policy, device="cpu")
+            init_parameters(model)
+            opt = torch.optim.AdamW(model.parameters())
+            x = torch.randint(0, VOCAB, (BATCH, SEQ))
+            with ZeroMemTracker(model, opt, per_module=False) as mt, zero.Ledger() as ledger:
+                model.loss(model(x), x).backward()
+                opt.step()
+        units = zero.units_of(model)
+        psi = sum(u.layout.numel for u in units)
+    finally:
+        dist.destroy_process_group()
+    peaks = mt.category_peaks[torch.device("cpu")]
+    return {
+        "stage": stage, "world_size": world_size, "rank": rank, "params": psi,
+        "mixed_precision": mixed_precision, "dim": cfg.dim, "layers": cfg.layers,
+        "model_state_bytes_per_rank": mt.model_states_peak,
+        "transient_bytes_per_rank": mt.transient_peak,
+        "paper_model_state_bytes": model_state_bytes(psi, world_size, stage, mixed_precision),
+        "peak_bytes_by_category": {getattr(k, "value", k): v for k, v in peaks.items()},
+        "sent_bytes_per_step": ledger.sent_bytes(),
+        # per unit: (padded numel, shard numel, parameters), to check against the formulas
+        "units": [(u.layout.padded_numel, u.layout.shard_numel, len(u.params)) for u in units],
+    }
+
+
+def table1() -> list[str]:
+    """The paper's Table 1 (7.5B, mixed-precision Adam) beside ours, in GB = 1e9 bytes."""
+    out = ["| N | stage | paper GB | ours: model states GB | ours / paper | transient GB |",
+           "|---|---|---|---|---|---|"]
+    for n, paper in PAPER_TABLE1.items():
+        for stage in (1, 2, 3):
+            r = simulate(7.5e9, n, stage, mixed_precision=True)
+            ours = r["model_state_bytes_per_rank"] / GB
+            out.append(f"| {n} | {stage} | {paper[stage - 1]} | {ours:.2f} | "
+                       f"{ours / paper[stage - 1]:.3f} | {r['transient_bytes_per_rank'] / GB:.2f} |")
+            print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
+def table2(memory: float, world_sizes=(64,), probe: float = 1e9) -> list[str]:
+    """The largest model whose model states fit ``memory`` bytes per device (Table 2, MP = 1).
+
+    Model states grow linearly with Ψ, so one simulation per (stage, N) gives the bytes per
+    parameter; a second simulation at the answer checks that it fits.
+    """
+    out = ["| N | stage | bytes per parameter (measured) | largest Ψ that fits | "
+           "check: model states at that Ψ (GB) |", "|---|---|---|---|---|"]
+    for n in world_sizes:
+        for stage in (0, 1, 2, 3):
+            if stage == 0:  # DDP holds everything: (2 + 2 + 12) bytes per parameter
+                out.append(f"| {n} | DDP | 16 | {memory / 16 / 1e9:.2f}B | - |")
+                continue
+            r = simulate(probe, n, stage, mixed_precision=True)
+            per_param = r["model_state_bytes_per_rank"] / r["params"]
+            fits = memory / per_param
+            check = simulate(fits, n, stage, mixed_precision=True)
+            out.append(f"| {n} | {stage} | {per_param:.4f} | {check['params'] / 1e9:.1f}B "
+                       f"(asked {fits / 1e9:.1f}B) | {check['model_state_bytes_per_rank'] / GB:.2f} |")
+            print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=7.5e9)
+    p.add_argument("--world-size", type=int, default=64)
+    p.add_argument("--stage", default="1,2,3", help="comma list of stages")
+    p.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 master")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per stage")
+    p.add_argument("--table1", action="store_true", help="reproduce the ZeRO paper's Table 1")
+    p.add_argument("--table2", action="store_true", help="the largest model that fits (Table 2)")
+    p.add_argument("--memory", type=float, default=32e9, help="bytes per device for --table2")
+    args = p.parse_args(argv)
+    if not 0 <= args.rank < args.world_size:
+        p.error(f"--rank must be in [0, {args.world_size})")
+    start = time.monotonic()
+    if args.table1 or args.table2:
+        lines = table1() if args.table1 else table2(args.memory)
+        print("\n".join(lines))
+    else:
+        rows = [simulate(args.params, args.world_size, int(s), args.mixed_precision, args.rank)
+                for s in args.stage.split(",")]
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            for r in rows:
+                print(f"stage {r['stage']}, N={r['world_size']}, rank {r['rank']}, Ψ={r['params']:,}"
+                      f" ({r['layers']} x {r['dim']}): model states "
+                      f"{r['model_state_bytes_per_rank'] / GB:.3f} GB (paper formula "
+                      f"{r['paper_model_state_bytes'] / GB:.3f}), transient "
+                      f"{r['transient_bytes_per_rank'] / GB:.3f} GB")
+    print(f"({time.monotonic() - start:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

@@ -1,0 +1,80 @@
+"""``zero.init_parameters``: fill a model that was sharded straight from the meta device.
+
+Build the model on the meta device (``with torch.device("meta"): model = GPT(cfg)``): its
+parameters have shapes but no memory. ``zero.shard`` then gives each rank only its own
+shards. What is left is to give them values, and the values must be the ones the full model
+would have had, or the run would depend on the world size.
+
+Random initialisation draws from one generator in a fixed order, so we replay that order:
+walk ``model.modules()`` as a full initialisation would, and for each module give its own
+parameters a full-size home (a temporary flat buffer per unit, viewed into the module), call
+``init_fn(module)``, and as soon as a unit's last module is done keep this rank's shard and
+drop the buffer. At any moment a rank holds the full parameters of the root and one other
+unit, never the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from zero.shard import units_of
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default ``init_fn``: the module's own ``reset_parameters`` (nn.Linear, ...)."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = reset_parameters,
+                    ) -> None:
+    """Initialise a model sharded from the meta device, one unit at a time.
+
+    The result equals building ``model`` on a real device, calling ``init_fn(m)`` for every
+    ``m`` in ``model.modules()`` (in that order, from the same random state), and then
+    sharding it: ``zero.full_state_dict`` is bitwise the same.
+
+    Args:
+        model: a model whose units were all sharded from the meta device.
+        init_fn: called once per module, with the module's own parameters (and buffers)
+            materialised at full size; it must initialise them in place.
+    """
+    units = units_of(model)
+    if any(u.materialized and u.params for u in units):
+        raise RuntimeError("init_parameters is for models sharded from the meta device; "
+                           "this one already has values")
+    modules = list(model.modules())
+    def unit_of(m: nn.Module) -> set:  # the units of m's own parameters (not yet swapped out)
+        return {getattr(p, "_zero_unit", None) for p in m._parameters.values()} - {None}
+
+    last = {u: i for i, m in enumerate(modules) for u in unit_of(m)}  # each unit's last module
+    full: dict = {}  # unit -> its temporary full flat buffer, while it is being initialised
+    for i, mod in enumerate(modules):
+        for u in unit_of(mod):
+            if u not in full:
+                full[u] = _full_size(u)
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.is_meta:
+                mod._buffers[name] = torch.zeros_like(buf, device=units[0].sharded.device)
+        init_fn(mod)
+        for u in [u for u in full if last[u] == i]:
+            u.sharded.copy_(full.pop(u)[u.layout.shard(u.rank).offset :][: u.layout.shard_numel])
+            u.use_sharded_params()
+            u.shard_changed(phase="init")  # stages 1/2: gather the full parameters
+    for u in units:  # units with no parameters of their own
+        if not u.materialized:
+            u.shard_changed(phase="init")
+
+
+def _full_size(unit) -> torch.Tensor:
+    """A zeroed full flat buffer for ``unit``, its views put in the modules for init_fn."""
+    full = torch.zeros(unit.layout.padded_numel, dtype=unit.sharded.dtype,
+                       device=unit.sharded.device)
+    for view, locs in zip(unit.layout.views(full), unit.locations):
+        for owner, attr in locs:
+            owner._parameters[attr] = view  # plain tensors, for init_fn to fill in place
+    return full
