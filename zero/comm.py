@@ -18,6 +18,7 @@ called before the output is read, as with ``torch.distributed``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class Record:
     sent_bytes: int  # what this rank sends under ring accounting
     unit: str
     phase: str  # "init", "forward", "backward", "step" or "other"
+    time: float  # time.perf_counter() when it was issued (a timeline of one step)
 
 
 class Ledger:
@@ -86,7 +88,8 @@ def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phas
         return
     n = dist.get_world_size(group)
     nbytes = buffer.numel() * buffer.element_size()
-    rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase)
+    rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
+                 time.perf_counter())
     for ledger in _ACTIVE:
         ledger.records.append(rec)
 

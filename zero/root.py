@@ -6,8 +6,9 @@ FSDP2 has the same idea (its root state). Only the root can
   computes, the *next* unit's all-gather is already running (in backward: the previous
   unit's), so at most two units are unsharded at once besides any that keep their
   parameters (the root, by default);
-- bound the reduce-scatters in flight to one, so that at most two units' full gradients
-  are alive while backward goes on;
+- bound the reduce-scatters in flight during backward to one, so that at most two units'
+  full gradients are alive while backward goes on (stage 1, which keeps every full
+  gradient until the end anyway, lets them all go at once there);
 - queue one callback for the end of backward that finishes every unit: stage 1's
   reduce-scatters, agreeing on which parameters got a gradient, handing the gradient
   shards to the parameters, and freeing stage 3's parameters.
@@ -86,9 +87,13 @@ class Root:
         self.last_order, self.order = self.order, []
         units = self.units
         if all(u.requires_grad_sync for u in units):
-            for u in units:
-                if not u.stage.reduce_each_unit:
-                    self.reduce(u)  # stage 1: every unit now, one after another
+            for u in units:  # stage 1 reduces every unit now
+                if u.stage.reduce_each_unit:
+                    continue
+                if u.reduce_dtype == u.param_dtype:
+                    u.reduce_grad()  # reads the gradient in place: all in flight at once
+                else:
+                    self.reduce(u)  # each needs a full upcast copy: one at a time
             for u in units:
                 u.wait_reduce()
             # A parameter unused on this rank may be used on another: agree on "used" (max),
