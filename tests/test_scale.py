@@ -107,14 +107,16 @@ def _expected(units, stage, mp):
     P = sum(u[0] for u in units)  # padded flat numel, all units
     S = sum(u[1] for u in units)  # this rank's shard numel, all units
     n = sum(u[2] for u in units)  # parameter tensors: AdamW keeps a 4-byte step for each
-    first_shard = units[0][1]  # stage 1 reduces unit by unit; the first shard joins the full grads
     optim = 8 * S + 4 * n
     if stage == 3:
         return 4 * S + 4 * S + optim
     params = 2 * P + 4 * S if mp else 4 * P  # compute copy (+ fp32 master shard when it is apart)
     if stage == 2:
         return params + 4 * S + optim  # fp32 gradient shards (the paper counts 2-byte ones)
-    return params + (2 * P if mp else 4 * P + 4 * first_shard) + optim
+    # stage 1: the full gradient; without a cast every reduce-scatter is in flight at once at
+    # the end of backward, so all the shards join it (with a cast, each upcast copy frees the
+    # bf16 gradient before its shard exists)
+    return params + (2 * P if mp else 4 * P + 4 * S) + optim
 
 
 @pytest.mark.parametrize("mp", [False, True])

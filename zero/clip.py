@@ -5,7 +5,7 @@ its own: sum |g|^p over the local pieces, all-reduce the sums, take the p-th roo
 inf-norm: all-reduce the local maxima). llm.c makes the same point about its ZeRO-1 norm.
 
 Equality with DDP: the global norm is the same number, summed in a different order, so it
-can differ from ``torch.nn.utils.clip_grad_norm_`` by a few ulps; the inf-norm (a maximum)
+can differ from ``torch.nn.utils.clip_grad_norm_`` by an ulp or two; the inf-norm (a maximum)
 is exact. ``notes/05-equality.md`` has the arithmetic.
 """
 
