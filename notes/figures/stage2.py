@@ -1,0 +1,334 @@
+"""ZeRO-2 measured: one hook per unit per backward, the gradient peak, frozen and unused
+parameters, no_sync.
+
+    python notes/figures/stage2.py > notes/figures/stage2.txt
+
+All on 2 gloo ranks, rank 0's view, AdamW.
+Part 1: how often a unit's forward runs and how often the post-accumulate-grad hook on its
+flat leaf fires per backward, for a plain GPT, a GPT whose first block is called twice, and
+activation checkpointing inside / around each block (tests/test_features.py's variants).
+Part 2: tests/test_memory.py's model (8 blocks of dim 64): gradient bytes after every op
+(ZeroMemTracker's peak, and a probe that says which units' gradients are alive at that instant).
+Part 3: a unit with a frozen layer in front of a trainable one: the order of events in
+backward. Part 4: UnevenMLP (a frozen and an unused layer): which parameters get a gradient,
+and the one all-reduce that agrees on it. Part 5: two micro-batches, the first under no_sync.
+Part 6: reentrant activation checkpointing (not supported by stages 1 and 2 yet).
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import _MemRefType as Ref
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import zero
+from zero.launch import run_ranks
+from zero.memory import MODEL_STATES, ZeroMemTracker, model_state_bytes
+from zero.models import GPT, GPTConfig, UnevenMLP
+
+WORLD_SIZE = 2
+
+
+def batch_step(model, rank, i, opt=None):
+    x, y = model.batch(2, torch.Generator().manual_seed(10 * i + rank))
+    model.loss(model(x), y).backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+
+
+# ---- Part 1: the hook fires once per backward ----------------------------------------------
+
+class Variant(GPT):
+    """mode: "plain", "twice" (blocks.0 called twice), "ac_inside" / "ac_outside"
+    (non-reentrant activation checkpointing inside each block's forward / around it)."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for i, block in enumerate(self.blocks):
+            if self.mode == "ac_outside":
+                x = checkpoint(block, x, use_reentrant=False)
+            elif self.mode == "ac_inside":
+                x = block(x)  # the block's own forward is checkpointed, see below
+            else:
+                x = block(block(x)) if (self.mode == "twice" and i == 0) else block(x)
+        return self.head(self.ln_f(x))
+
+
+def hook_counts(rank, n, mode):
+    torch.manual_seed(0)
+    model = Variant(mode)
+    if mode == "ac_inside":
+        for block in model.blocks:
+            block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+    for unit in model.units():
+        zero.shard(unit, stage=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch_step(model, rank, 0, opt)
+    calls, fired = {}, {}
+
+    def count(table, name):
+        table[name] = table.get(name, 0) + 1
+
+    for u in zero.units_of(model):
+        u.module.register_forward_pre_hook(lambda m, a, u=u: count(calls, u.name))
+        u.unsharded.register_post_accumulate_grad_hook(lambda leaf, u=u: count(fired, u.name))
+    with zero.Ledger() as ledger:
+        batch_step(model, rank, 1, opt)
+    reduced = {}
+    for r in ledger.select(op="reduce_scatter"):
+        reduced[r.unit] = reduced.get(r.unit, 0) + 1
+    return {u.name: (calls.get(u.name, 0), fired.get(u.name, 0), reduced.get(u.name, 0))
+            for u in zero.units_of(model)}
+
+
+# ---- Part 2: the gradient peak -----------------------------------------------------------
+
+class GradProbe(TorchDispatchMode):
+    """After every op: the gradient bytes our units hold, and whose they are."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units, self.peak, self.at_peak = units, 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        full = [u for u in self.units if u.unsharded.grad is not None or u._reduction is not None]
+        shards = [u for u in self.units if u._grad_shard is not None or u._reduction is not None]
+        now = (sum(4 * u.layout.padded_numel for u in full)
+               + sum(4 * u.layout.shard_numel for u in shards))
+        if now > self.peak:
+            self.peak = now
+            self.at_peak = ([u.name for u in full], [u.name for u in shards],
+                            [u.name for u in self.units if u._reduction is not None])
+        return out
+
+
+def gradient_peak(rank, n, stage):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/test_memory.py's model
+    for unit in model.units():
+        zero.shard(unit, stage=stage)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch_step(model, rank, 0, opt)
+    units = zero.units_of(model)
+    probe = GradProbe(units)
+    with ZeroMemTracker(model, opt) as mt:
+        with probe:
+            batch_step(model, rank, 1)
+        opt.step()
+        opt.zero_grad()
+    peaks = mt.category_peaks[torch.device("cpu")]
+    return {"tracker": peaks[Ref.GRAD], "probe": probe.peak,
+            "states": peaks[MODEL_STATES], "kept": mt.model_states_peak,
+            "at_peak": probe.at_peak,
+            "psi": sum(u.layout.numel for u in units),
+            "unit": 4 * max(u.layout.padded_numel for u in units),
+            "full": {u.name: 4 * u.layout.padded_numel for u in units},
+            "shard": {u.name: 4 * u.layout.shard_numel for u in units}}
+
+
+# ---- Part 3: a frozen layer in front of a trainable one ---------------------------------------
+
+class FrozenFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.trained = nn.Linear(8, 8)
+
+    def forward(self, x):
+        z = self.frozen(x)
+        if z.grad_fn is not None:  # runs when backward reaches the frozen layer: it reads frozen.weight
+            z.grad_fn.register_hook(lambda gin, gout: events.append(
+                "the frozen layer's backward runs: grad of its input = grad of its output @ frozen.weight"))
+        return self.trained(z)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.unit = FrozenFirst()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.unit(self.inp(x)))
+
+
+events = []
+
+
+def frozen_order(rank, n, stage):
+    torch.manual_seed(0)
+    model = Outer()
+    zero.shard(model.unit, stage=stage)
+    zero.shard(model, stage=stage)
+    unit = model.unit._zero_unit
+    unit.unsharded.register_post_accumulate_grad_hook(
+        lambda leaf: events.append(f"the unit's flat leaf is complete: post_backward fires "
+                                   f"(storage {unit._unsharded_data.untyped_storage().nbytes()} bytes)"))
+    events.clear()
+    model(torch.randn(4, 8)).sum().backward()
+    events.append(f"backward returns (storage {unit._unsharded_data.untyped_storage().nbytes()} bytes)")
+    return list(events)
+
+
+class UnshardedUnits(TorchDispatchMode):
+    """After every op: how many of the blocks (the units that reshard) are unsharded at once."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units, self.most = [u for u in units if u.reshard_after_forward], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        live = sum(1 for u in self.units if u._unsharded_data.untyped_storage().nbytes())
+        self.most = max(self.most, live)
+        return out
+
+
+def frozen_cost(rank, n, freeze):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=6))
+    if freeze:
+        for block in model.blocks:
+            block.ln1.requires_grad_(False)  # one small frozen tensor in every block
+    for unit in model.units():
+        zero.shard(unit, stage=3)
+    batch_step(model, rank, 0)
+    probe = UnshardedUnits(zero.units_of(model))
+    with probe:
+        batch_step(model, rank, 1)
+    return probe.most, len(probe.units)
+
+
+# ---- Part 4: frozen and unused parameters -----------------------------------------------------
+
+def frozen_and_unused(rank, n):
+    torch.manual_seed(0)
+    model = UnevenMLP()
+    for unit in model.units():
+        zero.shard(unit, stage=2)
+    with zero.Ledger() as ledger:
+        batch_step(model, rank, 0)
+    grads = {name: None if p.grad is None else tuple(p.grad.shape) for name, p in model.named_parameters()}
+    flags = [(r.op, str(r.dtype), r.buffer_bytes) for r in ledger.select(op="all_reduce")]
+    return grads, flags, len(list(model.parameters()))
+
+
+# ---- Part 5: no_sync --------------------------------------------------------------------------
+
+def accumulate(rank, n):
+    torch.manual_seed(0)
+    model = GPT()
+    for unit in model.units():
+        zero.shard(unit, stage=2)
+    units = zero.units_of(model)
+    out = []
+    for micro in range(2):
+        with zero.Ledger() as ledger:
+            if micro == 0:
+                with zero.no_sync(model):
+                    batch_step(model, rank, micro)
+            else:
+                batch_step(model, rank, micro)
+        full = sum(u.unsharded.grad.numel() * 4 for u in units if u.unsharded.grad is not None)
+        params_with_grad = sum(p.grad is not None for p in model.parameters())
+        out.append((micro, ledger.count(op="reduce_scatter"), ledger.count(), full, params_with_grad))
+    return out, sum(u.layout.padded_numel for u in units)
+
+
+# ---- Part 6: reentrant checkpointing ---------------------------------------------------------
+
+class Reentrant(GPT):
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(self.ln_f(x))
+
+
+def reentrant(rank, n, stage):
+    torch.manual_seed(0)
+    model = Reentrant()
+    for unit in model.units():
+        zero.shard(unit, stage=stage)
+    batch_step(model, rank, 0)
+    named = list(model.named_parameters())
+    missing = [name for name, p in named if p.grad is None]
+    return len(missing), len(named), sorted({name.split(".")[0] + "." + name.split(".")[1]
+                                               for name in missing if name.startswith("blocks")})
+
+
+def main():
+    print(f"N = {WORLD_SIZE} gloo ranks, stage 2, rank 0\n")
+    print("Part 1: per unit and backward: forward calls, hook firings, reduce-scatters "
+          "(small GPT, 2 blocks)\n")
+    for mode in ("plain", "twice", "ac_inside", "ac_outside"):
+        counts = run_ranks(hook_counts, WORLD_SIZE, mode)[0]
+        cells = ", ".join(f"{k} {c}/{f}/{r}" for k, (c, f, r) in counts.items())
+        print(f"  {mode:<11} {cells}")
+
+    print("\nPart 2: gradient bytes, tests/test_memory.py's model (8 blocks of dim 64), fp32\n")
+    for stage in (1, 2):
+        g = run_ranks(gradient_peak, WORLD_SIZE, stage)[0]
+        full, unit, n = 4 * g["psi"], g["unit"], WORLD_SIZE
+        print(f"stage {stage}: peak gradient bytes: ZeroMemTracker {g['tracker']}, probe {g['probe']}")
+        print(f"  full gradient 4Ψ = {full}; full/N = {full // n}; one unit's full gradient = {unit}")
+        if stage == 2:
+            bound = 1.10 * (full / n + unit)
+            print(f"  tests/test_memory.py's bound 1.10 x (full/N + one unit) = {bound:.0f}: "
+                  f"measured / bound = {g['tracker'] / bound:.3f}")
+        names, shards, flight = g["at_peak"]
+        shard_bytes = sum(g["shard"][s] for s in shards)
+        full_bytes = sum(g["full"][s] for s in names)
+        print(f"  at the peak: full flat gradients of {len(names)} units {names} ({full_bytes} bytes),")
+        print(f"  of which reduce-scatters in flight: {flight};")
+        print(f"  gradient shards of {len(shards)} of {len(g['shard'])} units ({shard_bytes} bytes); "
+              f"sum {full_bytes + shard_bytes}")
+        paper = model_state_bytes(g["psi"], n, stage=stage, mixed_precision=False)
+        print(f"  model states: less transients {g['kept']} = {g['kept'] / g['psi']:.3f} bytes/Ψ, "
+              f"at the worst instant {g['states']} = {g['states'] / g['psi']:.3f} bytes/Ψ; "
+              f"paper {paper:.0f} = {paper / g['psi']:.3f} bytes/Ψ\n")
+
+    print("Part 3: a unit whose frozen layer runs before its trainable one (x -> inp -> "
+          "[frozen -> trained] -> head); order of events in backward\n")
+    for stage in (2, 3):
+        print(f"  stage {stage}:")
+        for e in run_ranks(frozen_order, WORLD_SIZE, stage)[0]:
+            print(f"    {e}")
+
+    print("\n  the cost, stage 3, a GPT of 6 blocks: the most blocks unsharded at once in a step")
+    for freeze in (False, True):
+        most, blocks = run_ranks(frozen_cost, WORLD_SIZE, freeze)[0]
+        what = "every block's ln1 frozen" if freeze else "nothing frozen"
+        print(f"    {what:<26} {most} of {blocks}")
+
+    print("\nPart 4: UnevenMLP at stage 2 (frozen: requires_grad False; unused: never called)\n")
+    grads, flags, count = run_ranks(frozen_and_unused, WORLD_SIZE)[0]
+    for name, shape in grads.items():
+        print(f"  {name:<18} grad {shape}")
+    print(f"  all-reduces in the step: {flags} (one uint8 per parameter tensor: {count})")
+
+    print("\nPart 5: two micro-batches of the small GPT at stage 2, the first under zero.no_sync\n")
+    rows, padded = run_ranks(accumulate, WORLD_SIZE)[0]
+    print(f"  (all units' padded numel: {padded}, i.e. {4 * padded} bytes of fp32 gradient)")
+    print(f"  {'micro':>5} {'reduce-scatters':>16} {'collectives':>12} {'full flat grads kept':>21} "
+          f"{'params with .grad':>18}")
+    for micro, rs, total, full, with_grad in rows:
+        print(f"  {micro:>5} {rs:>16} {total:>12} {full:>21} {with_grad:>18}")
+
+    print("\nPart 6: checkpoint(block, x, use_reentrant=True), small GPT: parameters left with "
+          "no gradient after one backward")
+    for stage in (1, 2, 3):
+        missing, total, blocks = run_ranks(reentrant, WORLD_SIZE, stage)[0]
+        print(f"  stage {stage}: {missing} of {total} ({blocks})")
+
+
+if __name__ == "__main__":
+    main()
