@@ -111,19 +111,21 @@ def table2(memory: float, world_sizes=(64,), probe: float = 1e9) -> list[str]:
     Model states grow linearly with Ψ, so one simulation per (stage, N) gives the bytes per
     parameter; a second simulation at the answer checks that it fits.
     """
-    out = ["| N | stage | bytes per parameter (measured) | largest Ψ that fits | "
-           "check: model states at that Ψ (GB) |", "|---|---|---|---|---|"]
+    out = ["| N | stage | bytes per parameter (measured) | largest Ψ that fits | check: a GPT "
+           "near that size, Ψ and model states (GB) | its transient bytes (GB) |",
+           "|---|---|---|---|---|---|"]
     for n in world_sizes:
         for stage in (0, 1, 2, 3):
             if stage == 0:  # DDP holds everything: (2 + 2 + 12) bytes per parameter
-                out.append(f"| {n} | DDP | 16 | {memory / 16 / 1e9:.2f}B | - |")
+                out.append(f"| {n} | DDP | 16 | {memory / 16 / 1e9:.2f}B | - | - |")
                 continue
             r = simulate(probe, n, stage, mixed_precision=True)
             per_param = r["model_state_bytes_per_rank"] / r["params"]
             fits = memory / per_param
             check = simulate(fits, n, stage, mixed_precision=True)
-            out.append(f"| {n} | {stage} | {per_param:.4f} | {check['params'] / 1e9:.1f}B "
-                       f"(asked {fits / 1e9:.1f}B) | {check['model_state_bytes_per_rank'] / GB:.2f} |")
+            out.append(f"| {n} | {stage} | {per_param:.4f} | {fits / 1e9:.2f}B | "
+                       f"{check['params'] / 1e9:.2f}B: {check['model_state_bytes_per_rank'] / GB:.2f} | "
+                       f"{check['transient_bytes_per_rank'] / GB:.2f} |")
             print(out[-1], file=sys.stderr, flush=True)
     return out
 

@@ -39,23 +39,29 @@ def _measure(rank, n, stage):
     units = zero.units_of(model)
     return {
         "peaks": {str(k): v for k, v in mt.category_peaks[CPU].items()},
+        "optimizer_state": mt.state_peaks[Ref.OPT],  # without the step's temporaries
         "psi": sum(u.layout.numel for u in units),
         "padded": sorted(u.layout.padded_numel for u in units),
     }
 
 
+@pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_stage2_holds_one_unit_of_full_gradient_stage1_holds_all(stage):
-    out = run_ranks(_measure, 2, stage)[0]
+def test_stage2_holds_a_shard_and_two_units_of_full_gradient_stage1_holds_all(stage, n):
+    out = run_ranks(_measure, n, stage)[0]
     grad_peak, full_grad = out["peaks"][str(Ref.GRAD)], 4 * out["psi"]
     one_unit = 4 * out["padded"][-1]
     if stage == 2:
-        assert grad_peak <= 1.10 * (full_grad / 2 + one_unit), out
+        # The gradient shards, plus at the worst instant two units' full gradients: one
+        # still being reduce-scattered (asynchronously, overlapping backward) and the next
+        # one just computed. A synchronous reduce-scatter would hold one (notes/04-stage2.md).
+        assert grad_peak <= 1.10 * (full_grad / n + 2 * one_unit), out
+        assert grad_peak > full_grad / n + one_unit or n == 2, out  # the second unit is real
     else:
         assert grad_peak >= full_grad, out  # the whole gradient, until the end of backward
     # Both keep full parameters and a shard of Adam's state (8 bytes per element).
     assert out["peaks"][str(Ref.PARAM)] >= 4 * out["psi"]
-    assert out["peaks"][str(Ref.OPT)] <= 1.10 * 8 * out["psi"] / 2
+    assert out["optimizer_state"] <= 1.10 * 8 * out["psi"] / n
 
 
 class _UnshardedBytes(TorchDispatchMode):

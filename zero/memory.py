@@ -49,6 +49,7 @@ def traffic_in_psi(stage: int) -> float:
 
 
 _RS = torch.ops.c10d._reduce_scatter_base_.default
+_COPY = torch.ops.aten._to_copy.default
 
 
 # Categories that are model states, in MemTracker's and FSDPMemTracker's names.
@@ -160,6 +161,8 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         res = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _COPY and self._is_transient(args[0]):  # an upcast of a unit's gradient
+            self._tag(res, _MemRefType.TEMP, transient=True)
         if func is _RS:  # its output is a gradient shard (what the parameters' .grad view)
             self._tag(args[0], _MemRefType.GRAD, transient=False)
             if not self._is_grad(args[1]):  # a buffer made for the collective (upcast)
@@ -173,6 +176,10 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
+
+    def _is_transient(self, t: torch.Tensor) -> bool:
+        return any(id(self._WINFO[st][0]) in self._transient for st in get_untyped_storages(t)
+                   if st in self._WINFO)
 
     def _is_grad(self, t: torch.Tensor) -> bool:
         return all(self._WINFO[st][0].reftype == _MemRefType.GRAD for st in get_untyped_storages(t))

@@ -199,7 +199,8 @@ def _our_units(optimizer):
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    _our_units(optimizer)
+    for unit in _our_units(optimizer):
+        unit.wait_unshard()  # an in-place gather may still read the shard the step writes
 
 
 def _after_step(optimizer, args, kwargs) -> None:

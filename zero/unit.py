@@ -264,7 +264,9 @@ class Unit:
             self.unshard(phase="forward", async_op=True)
             self.root.forward_started(self)  # records the order; prefetches the next unit
             self.wait_unshard()
-        self.use_unsharded_views(fresh=not in_backward())
+        # Fresh views on every forward, recomputations included: views made under no_grad
+        # (reentrant checkpointing's first pass) cannot carry gradients to the flat leaf.
+        self.use_unsharded_views(fresh=True)
         return args, kwargs
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
