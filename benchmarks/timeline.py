@@ -6,7 +6,8 @@ Each system trains the default GPT of compare_stages.py on 2 CPU ranks; the thir
 recorded with torch.profiler on every rank. Rank 0's Chrome trace is saved (open it in
 https://ui.perfetto.dev), and a PNG draws, per system, the main thread (each unit's forward,
 the backward, the optimizer) above the gloo threads that run the collectives: what overlaps
-with what.
+with what. The root's own forward (embeddings, head) is the gap before the first block and
+after the last.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def trace(rank: int, n: int, kind: str, tmp: str, dim: int, layers: int) -> str 
         return hook
 
     for unit in base.units():
-        name = next(p for p, m in base.named_modules() if m is unit) or "root"
-        mod = model.get_submodule("" if name == "root" else name)
+        name = next(p for p, m in base.named_modules() if m is unit)
+        if not name:
+            continue  # the root's forward encloses all the others: its own work is the gaps
+        mod = model.get_submodule(name)
         mod.register_forward_pre_hook(enter(name))
         mod.register_forward_hook(leave(name))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
