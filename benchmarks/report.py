@@ -75,6 +75,25 @@ def time_table(rows) -> list[str]:
     return out
 
 
+TARGETS = [  # (what, numerator, denominator, measure, at most): notes/10-overlap.md
+    ("ZeRO-3 step time / FSDP2's", "zero3", "fsdp2", "step_time", 1.0),
+    ("ZeRO-2 step time / FSDP2 no-reshard's", "zero2", "fsdp2-noreshard", "step_time", 1.0),
+    ("ZeRO-1 step time / DDP's", "zero1", "ddp", "step_time", 1.10),
+    ("ZeRO-3 peak memory / FSDP2's", "zero3", "fsdp2", "peak_total", 1.0),
+]
+
+
+def targets_table(rows) -> list[str]:
+    by = {r["kind"]: r for r in rows}
+    value = {"step_time": lambda r: r["step_time"], "peak_total": lambda r: r["memory"].get("Total", 0)}
+    out = ["| ratio | measured | target |", "|---|---|---|"]
+    for what, a, b, measure, most in TARGETS:
+        if a in by and b in by and value[measure](by[a]) and value[measure](by[b]):
+            ratio = value[measure](by[a]) / value[measure](by[b])
+            out.append(f"| {what} | {ratio:.3f} | <= {most:.2f}: {'met' if ratio <= most else 'missed'} |")
+    return out if len(out) > 2 else []
+
+
 def loss_check(rows) -> str:
     """Do all systems' losses agree, on every rank and step? Bitwise is expected at N = 2."""
     groups: dict = {}
@@ -120,6 +139,8 @@ def write(rows, args, argv, stage_of) -> None:
         if all(r["step_time"] for r in rows):
             body += ["", f"## Step time (median of {args.steps} steps, slowest rank)", "",
                      *time_table(rows)]
+        if targets := targets_table(rows):
+            body += ["", "## Targets (notes/10-overlap.md)", "", *targets]
         body += ["", loss_check(rows)]
         if bad := {r["kind"]: r["unaccounted"] for r in rows if r["unaccounted"]}:
             body += ["", f"Collectives not accounted in bytes: {bad}"]

@@ -209,3 +209,44 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(stage):
     assert seen == [(torch.bfloat16, torch.bfloat16)]  # input cast; gathered weight in bf16
     assert out_dtype == torch.bfloat16
     assert param_dtypes == {torch.float32} and grad_dtypes == {torch.float32}
+
+
+class WithBuffers(nn.Module):
+    """A fixed buffer used in forward and a BatchNorm (running statistics are buffers too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 9))
+        self.inp = nn.Linear(9, 9)
+        self.norm = nn.BatchNorm1d(9)
+        self.out = nn.Linear(9, 2)
+
+    def forward(self, x):
+        return self.out(self.norm(self.inp(x * self.scale)))
+
+    def units(self):
+        return [self.inp, self]
+
+    def batch(self, b, gen):
+        return torch.randn(b, 9, generator=gen), torch.randn(b, 2, generator=gen)
+
+    @staticmethod
+    def loss(out, y):
+        return F.mse_loss(out, y)
+
+
+def _buffers(rank, n):
+    failures, _ = _against_ddp(rank, n, WithBuffers, ["zero1", "zero2", "zero3"])
+    torch.manual_seed(0)
+    model = WithBuffers()
+    for unit in model.units():
+        zero.shard(unit, stage=3)
+    names = dict(model.named_buffers())
+    whole = names["scale"].shape == (9,) and names["norm.running_mean"].shape == (9,)
+    return failures, whole, sorted(names)
+
+
+def test_buffers_stay_whole_and_replicated_and_training_matches_ddp():
+    failures, whole, names = run_ranks(_buffers, 2)[0]
+    assert failures == [] and whole
+    assert names == ["norm.num_batches_tracked", "norm.running_mean", "norm.running_var", "scale"]
