@@ -34,7 +34,10 @@ def resolve(symbol: str, defs: dict) -> tuple[int, int] | None:
     if name in defs:
         return defs[name]
     matches = [span for q, span in defs.items() if q.endswith("." + name)]
-    return matches[0] if len(matches) == 1 else None
+    if len(matches) == 1:
+        return matches[0]
+    module, _, rest = name.partition(".")  # `comm.reduce_scatter` in zero/comm.py
+    return resolve(rest, defs) if rest and module.islower() and module not in defs else None
 
 
 def links():

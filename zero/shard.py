@@ -24,7 +24,8 @@ from torch.optim.optimizer import (
 
 from zero import comm
 from zero.mixed_precision import MixedPrecision
-from zero.unit import STAGES, Unit
+from zero.stage import STAGES
+from zero.unit import Unit
 
 
 def shard(

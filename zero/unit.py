@@ -1,7 +1,7 @@
 """A unit: one module whose own parameters are sharded together as one flat parameter.
 
 ZeRO stages 1, 2 and 3 are one mechanism here; the stage only decides *when* things happen
-(``Stage`` below). The whole algorithm is a symmetry: the all-gather that assembles a unit's
+(``zero/stage.py``: the whole difference is a table of two booleans). The whole algorithm is a symmetry: the all-gather that assembles a unit's
 parameters for its forward is mirrored by the reduce-scatter that splits its gradient in
 backward (SimpleFSDP's summary of FSDP).
 
@@ -24,7 +24,6 @@ in the autograd graph stay valid because the same storage is refilled before bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -36,25 +35,6 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from zero import comm
 from zero.flat import FlatLayout
 from zero.root import Root
-
-
-@dataclass(frozen=True)
-class Stage:
-    """What differs between the stages: the whole table is these two booleans.
-
-    | stage | keep_params                       | reduce_each_unit                     |
-    |-------|-----------------------------------|--------------------------------------|
-    | 1     | full params live between steps    | no: all units at the end of backward |
-    | 2     | full params live between steps    | yes: as soon as a unit's grad is done |
-    | 3     | no: gathered for forward/backward | yes                                  |
-    """
-
-    number: int
-    keep_params: bool
-    reduce_each_unit: bool
-
-
-STAGES = {1: Stage(1, True, False), 2: Stage(2, True, True), 3: Stage(3, False, True)}
 
 
 def in_backward() -> bool:
