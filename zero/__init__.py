@@ -1,7 +1,8 @@
 """zero: ZeRO stages 1, 2 and 3, written from scratch on torch.distributed collectives.
 
 Read in this order: ``flat`` (the flat parameter), ``comm`` (collectives and the ledger),
-``unit`` (one mechanism, the stage as a policy), ``shard`` (the public entry point), then
+``stage`` (the policy table), ``unit`` and ``root`` (one mechanism), ``shard`` (the public
+entry point), then
 ``mixed_precision``, ``clip``, ``state_dict``, ``init`` (meta-device initialisation),
 ``checkpoint`` and ``memory``.
 """
