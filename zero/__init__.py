@@ -2,9 +2,8 @@
 
 Read in this order: ``flat`` (the flat parameter), ``comm`` (collectives and the ledger),
 ``stage`` (the policy table), ``unit`` and ``root`` (one mechanism), ``shard`` (the public
-entry point), then
-``mixed_precision``, ``clip``, ``state_dict``, ``init`` (meta-device initialisation),
-``checkpoint`` and ``memory``.
+entry point), then ``mixed_precision``, ``clip``, ``state_dict``, ``init`` (meta-device
+initialisation), ``checkpoint`` and ``memory``.
 """
 
 from zero.checkpoint import load, save
