@@ -88,8 +88,7 @@ def _optim_state(model: nn.Module, optimizer, units) -> dict:
         for key, holders in _elementwise(unit, optimizer).items():
             shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
             for i in holders:
-                lo, n = _slot(unit, i)
-                shard[lo : lo + n] = optimizer.state[unit.params[i]][key]
+                unit._piece(shard, i).copy_(optimizer.state[unit.params[i]][key])
             chunks = flat_to_chunks(unit, shard)
             for i in holders:
                 state[names[unit.params[i]]][key] = to_dtensor(chunks[i], unit.layout.shapes[i], mesh)
@@ -105,11 +104,6 @@ def _elementwise(unit, optimizer) -> dict[str, list[int]]:
             if torch.is_tensor(v) and v.shape == p.shape:
                 found.setdefault(key, []).append(i)
     return dict(sorted(found.items()))  # the same order on every rank
-
-
-def _slot(unit, i: int) -> tuple[int, int]:
-    piece = unit._pieces.get(i)
-    return (piece.shard_offset, piece.length) if piece else (0, 0)
 
 
 def _first_names(model: nn.Module) -> dict[nn.Parameter, str]:
@@ -223,8 +217,7 @@ def _load_optim(optimizer, units, names, saved: dict, elementwise: dict) -> None
             shard = chunks_to_flat(unit, got)
             for i, p in enumerate(unit.params):
                 if owned[i] and p in index:
-                    lo, n = _slot(unit, i)
-                    state[index[p]][key] = shard[lo : lo + n].clone()
+                    state[index[p]][key] = unit._piece(shard, i).clone()
     groups = []
     for g in optimizer.param_groups:
         mine = [names[p] for p in g["params"]]

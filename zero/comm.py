@@ -120,3 +120,9 @@ def all_gather_object(obj: Any, *, group=None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def simulated(group=None) -> bool:
+    """True for the fake process group (benchmarks/simulate.py): it moves no data and has no
+    other ranks, so checks that compare ranks have nothing to compare."""
+    return dist.get_backend(group) == "fake"

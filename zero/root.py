@@ -99,7 +99,7 @@ class Root:
             # A parameter unused on this rank may be used on another: agree on "used" (max),
             # like DDP's find_unused_parameters, with one small all-reduce per backward.
             used = [f for u in units for f in u._used]
-            if used and self.unit.world_size > 1 and not _simulated(self.unit.group):
+            if used and self.unit.world_size > 1 and not comm.simulated(self.unit.group):
                 flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
                 comm.all_reduce(flags, op="max", group=self.unit.group, unit="root",
                                 phase="backward")
@@ -113,8 +113,3 @@ class Root:
             u.use_sharded_params()
             u.in_backward = False
             u.reshard()
-
-
-def _simulated(group) -> bool:
-    """The fake process group (benchmarks/simulate.py) moves no data: nothing to agree on."""
-    return torch.distributed.get_backend(group) == "fake"

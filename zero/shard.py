@@ -154,7 +154,7 @@ def _names(module: nn.Module, params):
 
 def _check_same_on_all_ranks(unit: Unit, module: nn.Module, params) -> None:
     """One small all-gather: every rank must be sharding the same structure, or none trains."""
-    if dist.get_backend(unit.group) == "fake":  # a simulation: there are no other ranks
+    if comm.simulated(unit.group):  # no other ranks to disagree with
         return
     desc = [type(module).__name__, unit.stage.number, str(unit.param_dtype)]
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in _names(module, params)]

@@ -212,10 +212,7 @@ class Unit:
         work, _, shard = self._reduction
         work.wait()
         self._reduction = None  # the full gradient is freed here
-        if self._grad_shard is None:
-            self._grad_shard = shard
-        else:  # reduced twice before the end of backward (e.g. called after no_sync)
-            self._grad_shard += shard
+        self._grad_shard = shard  # one reduction per backward; assign_grads hands it out
 
     def assign_grads(self, used: list[bool]) -> None:
         """Give each used parameter its piece of the reduced gradient (accumulating)."""
