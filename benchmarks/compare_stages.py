@@ -6,8 +6,8 @@ per-rank memory by category, bytes sent per step, and step time, beside the ZeRO
     torchrun --nproc-per-node 8 benchmarks/compare_stages.py --device cuda   # NCCL
 
 Every system trains the same model from the same seed on the same data with AdamW. Memory
-is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zero.memory.ZeroMemTracker for
-ours), bytes by torch's CommDebugMode (zero.measure.CommBytes; for ours it is checked
+is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zerolab.trackers.ZeroMemTracker for
+ours), bytes by torch's CommDebugMode (zerolab.measure.CommBytes; for ours it is checked
 against our ledger), time as the median of the timed steps (slowest rank per step).
 """
 
@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py: tables, results file, plots)
 
 import zero  # noqa: E402
-from zero.measure import CommBytes  # noqa: E402
-from zero.memory import PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker  # noqa: E402
-from zero.models import GPT, GPTConfig  # noqa: E402
-from zero.systems import KINDS, System  # noqa: E402
+from zerolab.measure import CommBytes  # noqa: E402
+from zerolab.trackers import PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker  # noqa: E402
+from zerolab.models import GPT, GPTConfig  # noqa: E402
+from zerolab.systems import KINDS, System  # noqa: E402
 
 # ---- defaults (a small GPT that runs in about a minute on 2 CPU cores) ---------------------
 WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB = 2, 4, 128, 64, 8, 512
@@ -111,7 +111,7 @@ def run_system(kind: str, args) -> dict:
         dist.all_gather_object(everyone, out["losses"])
         out["losses_all_ranks"] = everyone
         return out
-    from zero.launch import run_ranks
+    from zerolab.launch import run_ranks
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = run_ranks(_quiet_measure, args.world_size, kind, args, timeout=600, backend=backend)

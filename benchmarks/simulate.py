@@ -4,7 +4,7 @@ Answered with our real sharding code, not only a formula: a GPT of about the req
 is built on the meta device, sharded with ``zero.shard`` as rank R of a *fake* process group
 of N ranks, and trained for one step (forward, backward, AdamW) under ``FakeTensorMode``:
 every tensor has a shape and a dtype but no memory, and collectives move nothing. torch's
-MemTracker (``zero.memory.ZeroMemTracker``) measures what rank R would hold.
+MemTracker (``zerolab.trackers.ZeroMemTracker``) measures what rank R would hold.
 
     python benchmarks/simulate.py --params 7.5e9 --world-size 64 --stage 1,2,3 --mixed-precision
     python benchmarks/simulate.py --table1            # the ZeRO paper's Table 1, ours beside it
@@ -31,8 +31,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import zero
 from zero.init import init_parameters
-from zero.memory import ZeroMemTracker, model_state_bytes
-from zero.models import GPT, GPTConfig
+from zero.memory import model_state_bytes
+from zerolab.trackers import ZeroMemTracker
+from zerolab.models import GPT, GPTConfig
 
 VOCAB, SEQ, BATCH = 50304, 128, 1  # a short sequence: activations are not model states
 PAPER_TABLE1 = {  # ZeRO paper, Table 1: 7.5B parameters, K = 12, GB per device

@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare_stages as cs  # noqa: E402
 
-from zero.launch import run_ranks  # noqa: E402
-from zero.models import GPT, GPTConfig  # noqa: E402
-from zero.systems import System  # noqa: E402
+from zerolab.launch import run_ranks  # noqa: E402
+from zerolab.models import GPT, GPTConfig  # noqa: E402
+from zerolab.systems import System  # noqa: E402
 
 KINDS = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,6 +1,6 @@
 """Train the same model with several systems in one rank and compare them step by step.
 
-The systems are built by ``zero.systems.System`` (DDP, DDP + ZeroRedundancyOptimizer, our
+The systems are built by ``zerolab.systems.System`` (DDP, DDP + ZeroRedundancyOptimizer, our
 stages, FSDP2 on the same units). Every system starts
 from the same initial weights and sees the same per-rank data, so at world size 2 their
 parameters must agree bitwise after every step (the numerical contract, shared/DESIGN.md).
@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from zero.models import GPT, EncoderStack, UnevenMLP
-from zero.systems import KINDS, System, make_optimizer  # noqa: F401  (re-exported for tests)
+from zerolab.models import GPT, EncoderStack, UnevenMLP
+from zerolab.systems import KINDS, System, make_optimizer  # noqa: F401  (re-exported for tests)
 
 MODELS = {"gpt": GPT, "mlp": UnevenMLP, "encoder": EncoderStack}
 

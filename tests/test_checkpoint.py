@@ -23,7 +23,7 @@ import zero.checkpoint
 import zero.checkpoint_dir
 from compare import MODELS, System, first_difference, max_relative_difference
 from harness import RankError, run_ranks
-from zero.models import GPT, GPTConfig
+from zerolab.models import GPT, GPTConfig
 
 
 class Scalars(nn.Module):

@@ -12,7 +12,7 @@ import torch
 
 import zero
 from harness import run_ranks
-from zero.models import GPT, GPTConfig
+from zerolab.models import GPT, GPTConfig
 
 
 def _one_step(rank, n, stage):

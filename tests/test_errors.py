@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import zero
 from harness import run_ranks
-from zero.models import GPT, UnevenMLP
+from zerolab.models import GPT, UnevenMLP
 
 
 def _error_of(fn):

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import zero
 from compare import System, first_difference, make_optimizer, run_and_compare
 from harness import run_ranks
-from zero.models import GPT, Block, UnevenMLP
+from zerolab.models import GPT, Block, UnevenMLP
 
 
 class CheckpointedBlock(Block):

@@ -1,4 +1,4 @@
-"""Memory per rank, measured with torch's MemTracker (zero.memory.ZeroMemTracker), 2 ranks.
+"""Memory per rank, measured with torch's MemTracker (zerolab.trackers.ZeroMemTracker), 2 ranks.
 
 The model has 8 equal blocks (units) and a small root, so "one unit" is one block.
 """
@@ -10,8 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero
 from harness import run_ranks
-from zero.memory import MODEL_STATES, ZeroMemTracker, model_state_bytes
-from zero.models import GPT, GPTConfig
+from zero.memory import model_state_bytes
+from zerolab.trackers import MODEL_STATES, ZeroMemTracker
+from zerolab.models import GPT, GPTConfig
 
 CPU = torch.device("cpu")
 

@@ -10,8 +10,9 @@ import torch
 
 import zero
 from harness import run_ranks
-from zero.memory import PeakMemTracker, model_state_bytes
-from zero.models import GPT, GPTConfig, UnevenMLP, gpt_init
+from zero.memory import model_state_bytes
+from zerolab.trackers import PeakMemTracker
+from zerolab.models import GPT, GPTConfig, UnevenMLP, gpt_init
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import simulate  # noqa: E402

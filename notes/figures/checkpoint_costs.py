@@ -17,9 +17,9 @@ import torch
 import zero
 from zero.flat import FlatLayout
 from zero.fsdp2_layout import chunk_of
-from zero.launch import run_ranks
-from zero.models import GPT, GPTConfig
-from zero.systems import System
+from zerolab.launch import run_ranks
+from zerolab.models import GPT, GPTConfig
+from zerolab.systems import System
 
 CFG = GPTConfig(dim=64, layers=4)
 

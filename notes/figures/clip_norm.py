@@ -12,9 +12,9 @@ import warnings
 
 import torch
 
-from zero.launch import run_ranks
-from zero.models import GPT, UnevenMLP
-from zero.systems import System
+from zerolab.launch import run_ranks
+from zerolab.models import GPT, UnevenMLP
+from zerolab.systems import System
 
 WORLD_SIZE, STEPS, OPT = 2, 20, "sgd"
 MODELS = {"gpt": GPT, "mlp": UnevenMLP}

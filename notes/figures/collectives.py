@@ -11,7 +11,7 @@
 import torch
 
 from zero import comm
-from zero.launch import run_ranks
+from zerolab.launch import run_ranks
 
 SHARD = 10_000
 

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero
 from zero.flat import FlatLayout
-from zero.launch import run_ranks
-from zero.models import Block, GPTConfig
+from zerolab.launch import run_ranks
+from zerolab.models import Block, GPTConfig
 
 DIM, WORLD_SIZE = 32, 3
 

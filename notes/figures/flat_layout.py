@@ -2,14 +2,14 @@
 
     python notes/figures/flat_layout.py > notes/figures/flat_layout.txt
 
-Config at the top; the block is zero.models.Block with GPTConfig(dim=DIM).
+Config at the top; the block is zerolab.models.Block with GPTConfig(dim=DIM).
 """
 
 import torch
 
 import zero
-from zero.launch import run_ranks
-from zero.models import Block, GPTConfig
+from zerolab.launch import run_ranks
+from zerolab.models import Block, GPTConfig
 
 WORLD_SIZE, DIM, BAR = 3, 32, 60  # BAR: characters for the whole padded buffer
 

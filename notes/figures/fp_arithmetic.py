@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero.launch import run_ranks
+from zerolab.launch import run_ranks
 
 COUNT = 10_000_000
 gen = torch.Generator().manual_seed(0)

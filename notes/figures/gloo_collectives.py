@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero.launch import run_ranks
+from zerolab.launch import run_ranks
 
 N_ELEMENTS = 8_000_000  # the full buffer: 32 MB of fp32
 REPEATS = 5

@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from zero import comm
-from zero.launch import run_ranks
+from zerolab.launch import run_ranks
 
 VALUES = [1.0, -1.0, 7e-8, 3e-8, 1e-8]
 BLOCK = 12704

@@ -4,7 +4,7 @@
 
 Part 1: every record of one stage-3 step (the second; the first is a warm-up) of the small
 GPT on 2 gloo ranks, rank 0's view. Part 2: bytes sent per step and rank by each system,
-counted by zero.measure.CommBytes (torch's CommDebugMode), and by our ledger for ours.
+counted by zerolab.measure.CommBytes (torch's CommDebugMode), and by our ledger for ours.
 """
 
 import warnings
@@ -12,10 +12,10 @@ import warnings
 import torch
 
 import zero
-from zero.launch import run_ranks
-from zero.measure import CommBytes
-from zero.models import GPT, GPTConfig
-from zero.systems import System
+from zerolab.launch import run_ranks
+from zerolab.measure import CommBytes
+from zerolab.models import GPT, GPTConfig
+from zerolab.systems import System
 
 WORLD_SIZE = 2
 CONFIG = GPTConfig()  # vocab 96, seq 16, dim 32, heads 4, layers 2

@@ -3,7 +3,7 @@
     python notes/figures/meta_init.py > notes/figures/meta_init.txt
 
 The model is tests/test_scale.py's (GPT, 8 blocks, dim 64, vocab 64, seq 16), stage 3, with
-GPT-2's init (zero.models.gpt_init). Part 1 compares zero.init_parameters with "build on the
+GPT-2's init (zerolab.models.gpt_init). Part 1 compares zero.init_parameters with "build on the
 CPU, call gpt_init on every module in model.modules() order, then shard", and with two ways of
 getting it wrong. Part 2 follows the bytes a rank holds beyond its shards, module by module.
 """
@@ -11,9 +11,9 @@ getting it wrong. Part 2 follows the bytes a rank holds beyond its shards, modul
 import torch
 
 import zero
-from zero.launch import run_ranks
-from zero.memory import PeakMemTracker
-from zero.models import GPT, GPTConfig, gpt_init
+from zerolab.launch import run_ranks
+from zerolab.trackers import PeakMemTracker
+from zerolab.models import GPT, GPTConfig, gpt_init
 
 WORLD_SIZE, STAGE, SEED = 2, 3, 7
 CONFIG = GPTConfig(layers=8, dim=64, vocab=64, seq=16)

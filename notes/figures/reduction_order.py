@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from compare import MODELS, System, max_relative_difference, run_and_compare  # noqa: E402
 
-from zero.launch import run_ranks  # noqa: E402
+from zerolab.launch import run_ranks  # noqa: E402
 
 STEPS = 5
 KINDS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")

@@ -4,7 +4,7 @@
 
 The model is tests/test_memory.py's GPT (8 blocks of dim 64, vocab 64, seq 16; 9 units) on
 2 gloo ranks, AdamW, batch 2; rank 0's view after one warm-up step.
-Part 1: per-category peaks by zero.memory.ZeroMemTracker, fp32 and bf16/fp32 mixed precision,
+Part 1: per-category peaks by zerolab.trackers.ZeroMemTracker, fp32 and bf16/fp32 mixed precision,
 beside the paper's formula. Part 2: when each collective is issued and waited for, around
 the end of backward and the optimizer step (the script wraps Unit's methods to log them; the
 library itself records nothing but the ledger). Part 3: what the optimizer holds. Part 4: an
@@ -17,9 +17,10 @@ import torch
 from torch.distributed._tools.mem_tracker import _MemRefType as Ref
 
 import zero
-from zero.launch import run_ranks
-from zero.memory import MODEL_STATES, ZeroMemTracker, model_state_bytes
-from zero.models import GPT, GPTConfig
+from zerolab.launch import run_ranks
+from zero.memory import model_state_bytes
+from zerolab.trackers import MODEL_STATES, ZeroMemTracker
+from zerolab.models import GPT, GPTConfig
 from zero.unit import Unit
 
 WORLD_SIZE = 2

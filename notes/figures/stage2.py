@@ -22,9 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import zero
-from zero.launch import run_ranks
-from zero.memory import MODEL_STATES, ZeroMemTracker, model_state_bytes
-from zero.models import GPT, GPTConfig, UnevenMLP
+from zerolab.launch import run_ranks
+from zero.memory import model_state_bytes
+from zerolab.trackers import MODEL_STATES, ZeroMemTracker
+from zerolab.models import GPT, GPTConfig, UnevenMLP
 
 WORLD_SIZE = 2
 

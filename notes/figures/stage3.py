@@ -21,10 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import zero
-from zero.launch import run_ranks
-from zero.memory import MODEL_STATES, ZeroMemTracker, model_state_bytes
-from zero.models import GPT, GPTConfig
-from zero.systems import System
+from zerolab.launch import run_ranks
+from zero.memory import model_state_bytes
+from zerolab.trackers import MODEL_STATES, ZeroMemTracker
+from zerolab.models import GPT, GPTConfig
+from zerolab.systems import System
 
 WORLD_SIZE = 2
 TIMELINE = GPTConfig(layers=4)  # dim 32, vocab 96, seq 16

@@ -4,7 +4,7 @@
 
 The model is benchmarks/compare_stages.py's default (4 blocks, dim 128, seq 64, vocab 512,
 batch 8, AdamW) on 2 gloo ranks. Every system is counted from the outside by
-zero.measure.CommBytes (torch's CommDebugMode + ring accounting), on the third step (DDP
+zerolab.measure.CommBytes (torch's CommDebugMode + ring accounting), on the third step (DDP
 rebuilds its buckets after the first). "in Ψ" divides the elements sent by (N-1)/N · Ψ, the
 paper's unit (section 7).
 """
@@ -13,10 +13,10 @@ import warnings
 
 import torch
 
-from zero.launch import run_ranks
-from zero.measure import CommBytes
-from zero.models import GPT, GPTConfig
-from zero.systems import System
+from zerolab.launch import run_ranks
+from zerolab.measure import CommBytes
+from zerolab.models import GPT, GPTConfig
+from zerolab.systems import System
 
 WORLD_SIZE = 2
 CONFIG = GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=4)

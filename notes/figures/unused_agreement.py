@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
 from zero import comm
-from zero.launch import run_ranks
+from zerolab.launch import run_ranks
 
 
 class Branchy(nn.Module):

@@ -1,4 +1,4 @@
-"""Small models for the tests, the demo and the benchmarks (not part of ZeRO itself).
+"""Small models for the tests, the demo and the benchmarks.
 
 - ``GPT``: a GPT-2-style decoder with tied input/output embeddings; its ``blocks`` are the
   natural units.

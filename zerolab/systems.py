@@ -6,7 +6,7 @@
 - "fsdp2", "fsdp2-noreshard": torch's ``fully_shard`` on the same units, with
   ``reshard_after_forward`` True (ZeRO-3) or False (ZeRO-2-like).
 
-A model here is one of ``zero.models``: it has ``units()``, ``batch()`` and ``loss()``.
+A model here is one of ``zerolab.models``: it has ``units()``, ``batch()`` and ``loss()``.
 """
 
 from __future__ import annotations

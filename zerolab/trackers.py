@@ -1,0 +1,182 @@
+"""Memory trackers: torch's MemTracker taught where our tensors are, and per-category peaks.
+
+``ZeroMemTracker`` is torch's ``MemTracker`` taught where our tensors are: a unit's flat
+buffers are parameters, the flat gradient arriving at the leaf and every reduce-scatter
+output are gradients. It also keeps each category's own peak, which MemTracker does not
+(its peak snapshot is the moment of the largest *total*). The paper's formulas it is
+compared with are in ``zero/memory.py``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+
+from zero.shard import units_of
+
+_RS = torch.ops.c10d._reduce_scatter_base_.default
+_COPY = torch.ops.aten._to_copy.default
+
+
+# Categories that are model states, in MemTracker's and FSDPMemTracker's names.
+MODEL_STATE_CATEGORIES = {"Parameter", "Gradient", "Optstate", "Sharded Param", "Unsharded Param",
+                          "Sharded Grad", "Unsharded Grad", "OptState"}
+MODEL_STATES = "Model states"  # the key of the peak of parameters + gradients + optimizer state
+
+
+class CategoryPeaks:
+    """Mixin for any MemTracker: ``category_peaks[device][category]``, each category's own peak.
+
+    MemTracker's own peak is one snapshot, taken at the moment of the largest *total*; the
+    question "how many gradient bytes at most?" needs each category's maximum over time.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.category_peaks: dict[torch.device, dict[Any, int]] = {}
+
+    def _update_snap(self, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(*args, **kwargs)
+        for dev, snap in self._curr_mem_snap.items():
+            peaks = self.category_peaks.setdefault(dev, {})
+            for cat, nbytes in snap.items():
+                peaks[cat] = max(peaks.get(cat, 0), nbytes)
+            states = sum(v for c, v in snap.items() if getattr(c, "value", c) in MODEL_STATE_CATEGORIES)
+            peaks[MODEL_STATES] = max(peaks.get(MODEL_STATES, 0), states)
+
+
+class PeakMemTracker(CategoryPeaks, MemTracker):
+    """torch's MemTracker with per-category peaks (for DDP and ZeroRedundancyOptimizer)."""
+
+
+class PeakFSDPMemTracker(CategoryPeaks, FSDPMemTracker):
+    """torch's FSDPMemTracker (for FSDP2) with per-category peaks."""
+
+
+class ZeroMemTracker(CategoryPeaks, MemTracker):
+    """MemTracker for a model sharded with ``zero.shard`` (used like FSDPMemTracker).
+
+    Besides MemTracker's categories it splits what it sees the way the ZeRO paper does:
+    *model states* (the shards, stages 1/2's full compute copy, the gradients at their
+    largest: full for stage 1, sharded for 2/3, the optimizer state) and *transient*
+    bytes that live only for a while (stage 3's unsharded units, stages 2/3's full flat
+    gradient of a unit until it is reduced, mixed precision's upcast reduce buffer).
+
+    Example::
+
+        with ZeroMemTracker(model, optimizer) as mt:
+            train_step()
+        mt.get_tracker_snapshot("peak")      # MemTracker's snapshot at the peak total
+        mt.category_peaks[dev][_MemRefType.GRAD]   # the gradients' own peak
+        mt.model_states_peak, mt.transient_peak      # bytes, the paper's split
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 per_module: bool = True):
+        super().__init__()
+        self._model, self._optimizer = model, optimizer
+        self._per_module = per_module  # False: skip per-module peaks (big models, simulations)
+        self._handles: list[Any] = []
+        self._transient: dict[int, Any] = {}  # id -> MemTracker's record of a transient storage
+        self.state_peaks: dict[Any, int] = {}  # PARAM, GRAD, OPT: each one's peak, less transients
+        self.transient_peak = 0
+        self._quiet = False
+
+    def __enter__(self) -> "ZeroMemTracker":
+        super().__enter__()
+        self.track_external(self._model, self._optimizer)
+        for unit in units_of(self._model):
+            # stage 3's unsharded parameters are transient; stages 1/2 keep theirs
+            self._tag(unit._unsharded_data, _MemRefType.PARAM, not unit.stage.keep_params)
+            self._tag(unit.sharded, _MemRefType.PARAM, transient=False)
+            if unit.unsharded.requires_grad:  # the flat gradient, before it is accumulated
+                self._handles.append(unit.unsharded.register_hook(partial(self._tag_grad, unit)))
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._update_split()  # the optimizer state as the last step left it
+        super().__exit__(*args)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        if all(p.is_leaf for p in module.parameters()):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        # Inside a unit's forward its parameters are views into the unit's flat buffer (not
+        # leaves, so no gradient hooks on them); __enter__ tracked that buffer already.
+        def total(tensors, reftype):
+            return sum(w.mem_consumed for t in tensors
+                       for w in self._update_and_maybe_create_winfos(t, reftype))
+        return total(module.parameters(), _MemRefType.PARAM), total(module.buffers(),
+                                                                    _MemRefType.BUFFER)
+
+    def _tag_grad(self, unit, grad: torch.Tensor) -> None:
+        # Stages 2/3 reduce a unit's full gradient and free it during backward: transient.
+        self._tag(grad, _MemRefType.GRAD, transient=unit.stage.reduce_each_unit)
+
+    def _tag(self, t: torch.Tensor, reftype, transient: bool) -> None:
+        self._quiet = True  # no split in between: it would count a transient as a state
+        self._update_and_maybe_create_winfos(t, reftype)
+        self._quiet = False
+        if transient:
+            for st in get_untyped_storages(t):
+                winfo = self._WINFO[st][0]
+                self._transient[id(winfo)] = winfo
+        self._update_split()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _COPY and self._is_transient(args[0]):  # an upcast of a unit's gradient
+            self._tag(res, _MemRefType.TEMP, transient=True)
+        if func is _RS:  # its output is a gradient shard (what the parameters' .grad view)
+            self._tag(args[0], _MemRefType.GRAD, transient=False)
+            if not self._is_grad(args[1]):  # a buffer made for the collective (upcast)
+                self._tag(args[1], _MemRefType.TEMP, transient=True)
+        return res
+
+    def _update_peak_stats(self, peak_state) -> None:
+        if self._per_module:  # MemTracker walks every module's stats after every op
+            return super()._update_peak_stats(peak_state)
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+    def _is_transient(self, t: torch.Tensor) -> bool:
+        return any(id(self._WINFO[st][0]) in self._transient for st in get_untyped_storages(t)
+                   if st in self._WINFO)
+
+    def _is_grad(self, t: torch.Tensor) -> bool:
+        return all(self._WINFO[st][0].reftype == _MemRefType.GRAD for st in get_untyped_storages(t))
+
+    def _update_snap(self, u_type, winfo, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(u_type, winfo, *args, **kwargs)
+        if u_type == _UpdateType.DEL:
+            self._transient.pop(id(winfo), None)
+        if not self._quiet:
+            self._update_split()
+
+    def _update_split(self) -> None:
+        transient = list(self._transient.values())
+        self.transient_peak = max(self.transient_peak, sum(w.mem_consumed for w in transient))
+        for cat in _STATE_TYPES:
+            if cat == _MemRefType.OPT and self._in_opt:
+                continue  # the step's temporaries are not state: count what survives it
+            now = sum(snap.get(cat, 0) for snap in self._curr_mem_snap.values())
+            now -= sum(w.mem_consumed for w in transient if w.reftype == cat)
+            self.state_peaks[cat] = max(self.state_peaks.get(cat, 0), now)
+
+    @property
+    def model_states_peak(self) -> int:
+        """Parameters + gradients + optimizer state, each at its own (persistent) peak."""
+        return sum(self.state_peaks.values())
+
+
+_STATE_TYPES = (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT)
