@@ -138,6 +138,7 @@ def _pieces(rank, n, stage):
     torch.manual_seed(0)
     model = GPT()
     full = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     for unit in model.units():
         zero.shard(unit, stage=stage)
     out = {}
@@ -149,7 +150,7 @@ def _pieces(rank, n, stage):
             unit.sharded.data_ptr() <= p.data_ptr() < unit.sharded.data_ptr() + 4 * unit.sharded.numel())
         out[name] = (lo, p.detach().clone(), p.dim() == 1 and inside)
     sd = zero.full_state_dict(model)
-    same = list(sd) == list(full) and all(torch.equal(sd[k], full[k]) for k in full)
+    same = list(sd) == list(state) and all(torch.equal(sd[k], state[k]) for k in state)
     return out, {k: v for k, v in full.items()}, same
 
 
@@ -162,8 +163,8 @@ def test_names_hold_local_pieces_that_tile_each_parameter(stage, n):
         pieces = sorted((r[0][name] for r in results), key=lambda t: t[0])
         assert all(view_ok for _, _, view_ok in pieces), name  # 1-D views into the shard
         assert torch.equal(torch.cat([t for _, t, _ in pieces]), value.reshape(-1)), name
-    assert "head.weight" not in full  # tied: once, under its first name
-    assert all(r[2] for r in results)  # full_state_dict == the unsharded named_parameters
+    assert "head.weight" not in full  # tied: one parameter, under its first name
+    assert all(r[2] for r in results)  # full_state_dict == the unsharded state_dict()
 
 
 def _world_size_one(rank, n):

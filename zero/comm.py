@@ -14,6 +14,9 @@ paper counts Ψ and 2Ψ (section 7).
 
 Every wrapper takes ``async_op``: with ``True`` it returns a handle whose ``wait()`` must be
 called before the output is read, as with ``torch.distributed``.
+
+A group of one rank has nobody to talk to: there the wrappers do the local equivalent (a
+copy, or nothing) and record nothing, so world size 1 issues no collective, as FSDP2.
 """
 
 from __future__ import annotations
@@ -94,29 +97,55 @@ def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phas
         ledger.records.append(rec)
 
 
+class _Done:
+    """The handle of a collective that had nothing to do: a group of one rank."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _alone(group) -> bool:
+    return dist.get_world_size(group) == 1
+
+
+def _done(async_op: bool):
+    return _Done() if async_op else None
+
+
 def all_gather(output, input, *, group=None, unit="", phase="other", async_op=False):
     """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at [r * shard, ...).
 
     ``input`` may be rank r's slice of ``output`` (an in-place all-gather).
     """
+    if _alone(group):  # the shard is the whole
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _done(async_op)
     _record("all_gather", output, 1.0, group, unit, phase)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other", async_op=False):
     """(N * shard,) on every rank -> (shard,): rank r gets slice r of the sum (or mean) over ranks."""
+    if _alone(group):  # the sum (or mean) of one
+        output.copy_(input)
+        return _done(async_op)
     _record("reduce_scatter", input, 1.0, group, unit, phase)
     return _reduce_scatter_flat(output, input, op=_OPS[op], group=group, async_op=async_op)
 
 
 def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op=False):
     """Any shape -> the same shape, reduced over ranks (``op`` in "sum", "avg", "max"), in place."""
+    if _alone(group):
+        return _done(async_op)
     _record("all_reduce", tensor, 2.0, group, unit, phase)
     return dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
 
 
 def all_gather_object(obj: Any, *, group=None) -> list[Any]:
     """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""
+    if _alone(group):
+        return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -74,7 +74,5 @@ def _full_size(unit) -> torch.Tensor:
     """A zeroed full flat buffer for ``unit``, its views put in the modules for init_fn."""
     full = torch.zeros(unit.layout.padded_numel, dtype=unit.sharded.dtype,
                        device=unit.sharded.device)
-    for view, locs in zip(unit.layout.views(full), unit.locations):
-        for owner, attr in locs:
-            owner._parameters[attr] = view  # plain tensors, for init_fn to fill in place
+    unit.use(unit.layout.views(full))  # plain tensors, for init_fn to fill in place
     return full

@@ -2,6 +2,9 @@
 
 FSDP2 has the same idea (its root state). Only the root can
 - name the units by their paths and list them (lazily, at the first forward);
+- start each iteration clean: if the last forward or backward raised part-way, some unit
+  is still mid-iteration, and ``begin_forward`` resets every unit first (discarding the
+  failed iteration's gradients, as FSDP2's ``reset_iter_state`` does);
 - know the order in which units run forward, which stage 3 uses to prefetch: while a unit
   computes, the *next* unit's all-gather is already running (in backward: the previous
   unit's), so at most two units are unsharded at once besides any that keep their
@@ -16,11 +19,13 @@ FSDP2 has the same idea (its root state). Only the root can
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
 from zero import comm
+from zero.guard import Guard
 
 if TYPE_CHECKING:
     from zero.unit import Unit
@@ -30,6 +35,7 @@ class Root:
     def __init__(self, unit: "Unit"):
         self.unit = unit
         self._units: list[Unit] | None = None
+        self._guard: Guard | None = None
         self.order: list[Unit] = []  # units in the order their forward ran, this iteration
         self.last_order: list[Unit] = []  # the same for the previous iteration
         self._callback_queued = False
@@ -47,13 +53,43 @@ class Root:
                     self._units.append(unit)
         return self._units
 
+    @property
+    def guard(self) -> Guard:
+        if self._guard is None:
+            self._guard = Guard([u for u in self.units if u.reshard_after_forward])
+        return self._guard
+
+    # ---- the start of an iteration ---------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """The root's forward starts: make sure no unit is left mid-iteration."""
+        from zero.unit import State
+
+        stuck = {u.state for u in self.units} - {State.IDLE}
+        if self._callback_queued or stuck - {State.FORWARD}:
+            warnings.warn(
+                "the previous backward raised before it finished: zero discarded its gradients "
+                "(and those of any no_sync micro-batches before it) and starts this iteration "
+                "afresh, like FSDP2's reset_iter_state()", stacklevel=4)
+            self.reset(discard_gradients=True)
+        elif stuck:  # the previous forward raised: its gradients were never computed
+            self.reset(discard_gradients=False)
+
+    def reset(self, discard_gradients: bool) -> None:
+        self.guard.reset()
+        for u in self.units:
+            u.wait_unshard()
+            if discard_gradients:
+                u.discard_gradients()
+            u.end_iteration()
+        self._callback_queued, self._reducing, self.order = False, None, []
+
     # ---- prefetching ------------------------------------------------------------------
 
     def forward_started(self, unit: "Unit") -> None:
         """``unit`` starts its forward: record it, and start gathering the unit after it."""
         if unit is self.unit:  # the root's forward opens an iteration
             self.last_order, self.order = self.order or self.last_order, []
-            self.units  # noqa: B018  (name the units before the first collective)
         pos = len(self.order)
         self.order.append(unit)
         nxt = self.last_order[pos + 1] if pos + 1 < len(self.last_order) else None
@@ -83,33 +119,29 @@ class Root:
 
     def _finish_backward(self) -> None:
         """Runs once when the whole backward is done: reduce (stage 1), hand out grads, free."""
-        self._callback_queued = False
         self.last_order, self.order = self.order, []
-        units = self.units
-        if all(u.requires_grad_sync for u in units):
-            for u in units:  # stage 1 reduces every unit now
-                if u.stage.reduce_each_unit:
-                    continue
-                if u.reduce_dtype == u.param_dtype:
-                    u.reduce_grad()  # reads the gradient in place: all in flight at once
-                else:
-                    self.reduce(u)  # each needs a full upcast copy: one at a time
-            for u in units:
-                u.wait_reduce()
-            # A parameter unused on this rank may be used on another: agree on "used" (max),
-            # like DDP's find_unused_parameters, with one small all-reduce per backward.
-            used = [f for u in units for f in u._used]
-            if used and self.unit.world_size > 1 and not comm.simulated(self.unit.group):
-                flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
-                comm.all_reduce(flags, op="max", group=self.unit.group, unit="root",
-                                phase="backward")
-                used = [bool(f) for f in flags.tolist()]
-            self._reducing = None
-            offset = 0
-            for u in units:
-                u.assign_grads(used[offset : offset + len(u.params)])
-                offset += len(u.params)
-        for u in units:
-            u.use_sharded_params()
-            u.in_backward = False
-            u.reshard()
+        synced = [u for u in self.units if u.requires_grad_sync]  # the rest keep accumulating
+        for u in synced:  # stage 1 reduces every unit now
+            if u.stage.reduce_each_unit:
+                continue
+            if u.reduce_dtype == u.param_dtype:
+                u.reduce_grad()  # reads the gradient in place: all in flight at once
+            else:
+                self.reduce(u)  # each needs a full upcast copy: one at a time
+        for u in synced:
+            u.wait_reduce()
+        self._reducing = None
+        # A parameter unused on this rank may be used on another: agree on "used" (max),
+        # like DDP's find_unused_parameters, with one small all-reduce per backward.
+        used = [f for u in synced for f in u._used]
+        if used and not comm.simulated(self.unit.group):
+            flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
+            comm.all_reduce(flags, op="max", group=self.unit.group, unit="root", phase="backward")
+            used = [bool(f) for f in flags.tolist()]
+        offset = 0
+        for u in synced:
+            u.assign_grads(used[offset : offset + len(u.params)])
+            offset += len(u.params)
+        for u in self.units:
+            u.end_iteration()
+        self._callback_queued = False

@@ -95,8 +95,6 @@ def shard(
     module._zero_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
-    if unit.unsharded.requires_grad:
-        unit.unsharded.register_post_accumulate_grad_hook(unit.post_backward)
     _install_optimizer_hooks()
     return module
 

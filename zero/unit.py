@@ -1,9 +1,10 @@
 """A unit: one module whose own parameters are sharded together as one flat parameter.
 
 ZeRO stages 1, 2 and 3 are one mechanism here; the stage only decides *when* things happen
-(``zero/stage.py``: the whole difference is a table of two booleans). The whole algorithm is a symmetry: the all-gather that assembles a unit's
-parameters for its forward is mirrored by the reduce-scatter that splits its gradient in
-backward (SimpleFSDP's summary of FSDP).
+(``zero/stage.py``: the whole difference is a table of two booleans). The whole algorithm
+is a symmetry: the all-gather that assembles a unit's parameters for its forward is
+mirrored by the reduce-scatter that splits its gradient in backward (SimpleFSDP's summary
+of FSDP).
 
 [Note: the three tensors of a unit]
 - ``sharded``: this rank's slice of the padded flat parameter, in the parameters' own dtype
@@ -19,22 +20,40 @@ backward (SimpleFSDP's summary of FSDP).
   write (all-gather) goes through it, so refilling storage that autograd saved for backward
   does not trip autograd's in-place check.
 Stage 3 frees ``unsharded`` between uses by resizing its storage to 0 bytes; the views saved
-in the autograd graph stay valid because the same storage is refilled before backward.
+in the autograd graph stay valid because the same storage is refilled before backward, and
+``zero/guard.py`` raises if backward ever reaches them while it is empty.
+
+[Note: the training state] A unit is in exactly one ``State`` (FSDP2's ``TrainingState``):
+IDLE between iterations, FORWARD inside its forward, PRE_BACKWARD once backward has reached
+its output (its parameters gathered for backward), POST_BACKWARD once its gradient is
+complete. The views the module computes with are made once per iteration, so two forwards
+before one backward accumulate their gradients in the order DDP does. The end of backward
+returns every unit to IDLE; a forward or backward that raised leaves some unit elsewhere,
+and the root's next forward resets them (``Root.begin_forward``).
 """
 
 from __future__ import annotations
 
+import enum
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from zero import comm
 from zero.flat import FlatLayout
+from zero.grads import GradientMixin
 from zero.root import Root
+from zero.tree import map_tensors, tensors_in
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
 
 
 def in_backward() -> bool:
@@ -42,7 +61,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Unit:
+class Unit(GradientMixin):
     """The sharded state and the hooks of one ``zero.shard``-ed module (see the module note)."""
 
     def __init__(self, module, params, locations, stage, group, mp_policy, reshard_after_forward,
@@ -65,6 +84,7 @@ class Unit:
         self._pieces = {p.param_index: p for p in self.layout.pieces(self.rank)}
         shard = self.layout.shard(self.rank)
         self._slot = slice(shard.offset, shard.offset + shard.size)
+        self.state = State.IDLE
 
         # A module built on the meta device has no values yet: zero.init_parameters fills them.
         self.materialized = not any(p.is_meta for p in params)
@@ -87,13 +107,12 @@ class Unit:
                     self._piece(self.sharded, i).copy_(flat[piece.param_offset :][: piece.length])
         self.unsharded.requires_grad_(any(p.requires_grad for p in params))
         self.params = [self._sharded_param(i, p) for i, p in enumerate(params)]
-        self._used = [False] * len(params)  # got a gradient since the last reduction
-        self._views: list[torch.Tensor] | None = None
-        self._grad_shard: torch.Tensor | None = None  # reduced, not yet handed to params
+        self._views: list[torch.Tensor] | None = None  # this iteration's views into unsharded
+        self._views_for: tuple[bool, ...] = ()  # which params required grad when they were made
+        self._post_backward_hook = None
         self._pending: Any = None  # an all-gather in flight
-        self._reduction: Any = None  # a reduce-scatter in flight: (work, full grad, shard)
         self.is_unsharded = stage.keep_params
-        self.in_backward = False
+        self.init_gradients()
         if not stage.keep_params:
             self._free_unsharded()
         elif self.materialized:
@@ -153,7 +172,6 @@ class Unit:
 
     def _free_unsharded(self) -> None:
         self._unsharded_data.untyped_storage().resize_(0)
-        self._views = None
         self.is_unsharded = False
 
     def shard_changed(self, phase: str = "step") -> None:
@@ -167,83 +185,91 @@ class Unit:
         else:
             self.reshard()
 
+    def check_gathered_for_backward(self) -> None:
+        """Called by ``zero/guard.py`` when backward reads a tensor saved from our storage."""
+        if not self.is_unsharded:
+            raise RuntimeError(
+                f"backward needs the parameters of unit {self.name}, but its flat parameter was "
+                "freed after forward and never gathered again: zero found no tensor requiring "
+                "grad in the unit's output (it looks inside tensors, tuples, lists, dicts, "
+                "namedtuples and dataclasses), so its pre-backward hook never ran. Return the "
+                "output in one of those, or shard this unit with reshard_after_forward=False")
+        self.wait_unshard()
+
     # ---- which tensors the module computes with --------------------------------------------
 
-    def use_unsharded_views(self, fresh: bool) -> None:
-        if fresh or self._views is None:
-            self._views = []
-            for i, (v, p) in enumerate(zip(self.layout.views(self.unsharded), self.params)):
-                if not p.requires_grad:
+    def use(self, tensors: list[torch.Tensor]) -> None:
+        """Put ``tensors`` (one per parameter) wherever the module uses the parameters."""
+        for t, locs in zip(tensors, self.locations):
+            for mod, attr in locs:
+                mod._parameters[attr] = t  # a plain tensor: autograd reaches the flat leaf
+
+    def use_unsharded_views(self) -> None:
+        """Compute with views into ``unsharded``, made once per iteration (module note)."""
+        wants = tuple(p.requires_grad for p in self.params)
+        if self._views is None or self._views_for != wants:  # new iteration, or (un)frozen
+            self._views, self._views_for = self._make_views(wants), wants
+        self.use(self._views)
+
+    def _make_views(self, wants: tuple[bool, ...]) -> list[torch.Tensor]:
+        if self.unsharded.requires_grad != any(wants):  # a parameter was (un)frozen
+            self.unsharded.requires_grad_(any(wants))
+        if any(wants) and self._post_backward_hook is None:
+            self._post_backward_hook = self.unsharded.register_post_accumulate_grad_hook(
+                self.post_backward)
+        views = []
+        # Even under no_grad or inference_mode (an eval forward, reentrant checkpointing's
+        # first pass) the views must lead to the leaf: a later forward may reuse them.
+        with torch.inference_mode(False), torch.enable_grad():
+            for i, v in enumerate(self.layout.views(self.unsharded)):
+                if not wants[i]:
                     v = v.detach()  # frozen: no gradient is computed for it
                 elif v.requires_grad:
                     v.register_hook(partial(self._mark_used, i))
-                self._views.append(v)
-        for v, locs in zip(self._views, self.locations):
+                views.append(v)
+        return views
+
+    def use_sharded_params(self, after_forward: bool = False) -> None:
+        if after_forward:
+            self._check_views_untouched()
+        self.use(self.params)
+
+    def _check_views_untouched(self) -> None:
+        """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
+        computed on something other than our parameters: its gradient is lost. Say so."""
+        key = self._unsharded_data.untyped_storage()._cdata
+        for v, locs in zip(self._views or [], self.locations):
             for mod, attr in locs:
-                mod._parameters[attr] = v  # a plain tensor: autograd reaches the flat leaf
-
-    def use_sharded_params(self) -> None:
-        for p, locs in zip(self.params, self.locations):
-            for mod, attr in locs:
-                mod._parameters[attr] = p
-
-    def _mark_used(self, i: int, grad: torch.Tensor) -> None:
-        self._used[i] = True
-
-    # ---- gradients: reduce-scatter, then hand the shard to the parameters -------------------
-
-    def reduce_grad(self) -> None:
-        """Start reducing: (N*S,) full flat gradient -> (S,) this rank's shard of the mean.
-
-        Asynchronous: backward goes on while it runs; ``wait_reduce`` ends it.
-        """
-        grad, self.unsharded.grad = self.unsharded.grad, None  # the unit lets go of it
-        if grad is None:
-            return
-        grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
-        shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        work = comm.reduce_scatter(shard, grad, op="avg", group=self.group, unit=self.name,
-                                   phase="backward", async_op=True)
-        self._reduction = (work, grad, shard)  # grad stays alive until the collective is done
-
-    def wait_reduce(self) -> None:
-        if self._reduction is None:
-            return
-        work, _, shard = self._reduction
-        work.wait()
-        self._reduction = None  # the full gradient is freed here
-        self._grad_shard = shard  # one reduction per backward; assign_grads hands it out
-
-    def assign_grads(self, used: list[bool]) -> None:
-        """Give each used parameter its piece of the reduced gradient (accumulating)."""
-        shard, self._grad_shard = self._grad_shard, None
-        self._used = [False] * len(self.params)
-        if shard is None:
-            return
-        shard = shard.to(self.sharded.dtype)
-        for i, p in enumerate(self.params):
-            if not used[i]:
-                continue  # unused everywhere: grad stays None, as in DDP
-            g = self._piece(shard, i)
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+                t = mod._parameters.get(attr)
+                if t is not v or (t.numel() and t.untyped_storage()._cdata != key):
+                    path = next(n for n, m in self.module.named_modules() if m is mod)
+                    name = ".".join(s for s in (self.name, path, attr) if s and s != "root")
+                    raise RuntimeError(
+                        f"'{name}' was replaced during forward (e.g. module.to(dtype) inside "
+                        f"forward): it no longer computes with unit {self.name}'s "
+                        f"{self.param_dtype} parameters, and its gradient would be lost. If it "
+                        "must compute in another dtype (a router in fp32), shard the module "
+                        "that owns it as its own unit first, with zero.shard(module, "
+                        "mp_policy=None)")
 
     # ---- module hooks ---------------------------------------------------------------------
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.cast_inputs:
-            args, kwargs = tree_map_only(torch.Tensor, self._cast, (args, kwargs))
-        if in_backward():  # activation-checkpoint recompute: already unsharded for backward
+            args, kwargs = map_tensors(self._cast, (args, kwargs))
+        if in_backward():  # activation-checkpoint recompute: gathered for backward
             self.unshard(phase="backward")
+            self.state = State.PRE_BACKWARD
         else:
+            if self.parent is None:
+                self.root.begin_forward()  # resets what a failed iteration left behind
+            self.state = State.FORWARD
             self.unshard(phase="forward", async_op=True)
             self.root.forward_started(self)  # records the order; prefetches the next unit
             self.wait_unshard()
-        # Fresh views on every forward, recomputations included: views made under no_grad
-        # (reentrant checkpointing's first pass) cannot carry gradients to the flat leaf.
-        self.use_unsharded_views(fresh=True)
+            if self.reshard_after_forward and torch.is_grad_enabled():
+                self.root.guard.enter()
+        self.use_unsharded_views()
         return args, kwargs
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
@@ -252,36 +278,48 @@ class Unit:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():
             return output  # activation-checkpoint recompute: backward still needs everything
-        self.use_sharded_params()
+        if self.reshard_after_forward and torch.is_grad_enabled():
+            self.root.guard.exit()
+        self.use_sharded_params(after_forward=True)
+        self.state = State.IDLE
         if not torch.is_grad_enabled():
             self.reshard()  # no backward will come for this forward
             return output
         if self.reshard_after_forward:
             self.reshard()
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in tensors_in(output):
+            if t.requires_grad:
                 t.register_hook(self.pre_backward)
         return output
 
     def pre_backward(self, grad: torch.Tensor) -> None:
-        if not self.in_backward:
-            self.in_backward = True
+        if self.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
+            self.state = State.PRE_BACKWARD
             self.unshard(phase="backward", async_op=True)
             self.root.backward_started(self)  # prefetches the unit before this one
             self.wait_unshard()
-            self.use_unsharded_views(fresh=False)
+            self.use_unsharded_views()  # for a recompute inside the unit's forward
 
     def post_backward(self, leaf: torch.Tensor) -> None:
         """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
         self.root.queue_final_callback()
-        if self.stage.reduce_each_unit and self.requires_grad_sync:
+        self.state = State.POST_BACKWARD
+        if not self.requires_grad_sync:
+            self.keep_unsynced_gradient()
+        elif self.stage.reduce_each_unit:
             self.root.reduce(self)
         # A frozen parameter's data may still be needed for an input gradient after this
         # hook (it feeds no gradient into the leaf), so such units reshard in the callback.
         if all(p.requires_grad for p in self.params):
             self.use_sharded_params()
-            self.in_backward = False
             self.reshard()
+
+    def end_iteration(self) -> None:
+        """Back to IDLE: sharded parameters in the module; stage 3 frees the full ones."""
+        self.use_sharded_params()
+        self.state = State.IDLE
+        self.reshard()
+        self._views = None  # the next iteration makes new ones
 
     @property
     def reshard_after_forward(self) -> bool:

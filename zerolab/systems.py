@@ -4,7 +4,11 @@
   (torch's ZeRO-1: whole parameters per rank, gradients still all-reduced);
 - "zero1", "zero2", "zero3": ours, ``zero.shard`` on the model's ``units()``;
 - "fsdp2", "fsdp2-noreshard": torch's ``fully_shard`` on the same units, with
-  ``reshard_after_forward`` True (ZeRO-3) or False (ZeRO-2-like).
+  ``reshard_after_forward`` True (ZeRO-3) or False (ZeRO-2-like);
+- "replicated": plain PyTorch on every rank, each gradient all-reduced to its mean after
+  the last backward of a step. It computes what DDP computes (bitwise at world size 2:
+  halving is exact) for model code that DDP refuses (reentrant checkpointing with
+  rank-dependent unused parameters, parameters unfrozen after wrapping).
 
 A model here is one of ``zerolab.models``: it has ``units()``, ``batch()`` and ``loss()``.
 """
@@ -64,6 +68,10 @@ class System:
                  reshard_after_forward: bool | None = None):
         self.kind, self.base = kind, base
         model = copy.deepcopy(base)
+        if kind == "replicated":
+            self.model = model
+            self.opt = make_optimizer(opt, list(model.named_parameters()))
+            return
         if kind in ("ddp", "ddp+zro"):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -73,6 +81,8 @@ class System:
             named = [(n.removeprefix("module."), p) for n, p in self.model.named_parameters()]
             self.opt = make_optimizer(opt, named, zro=kind == "ddp+zro")
             return
+        # Units the model wants computed in fp32 whatever the policy (a router that casts itself)
+        fp32_units = set(getattr(model, "fp32_units", list)())
         if kind.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -85,16 +95,22 @@ class System:
             for unit in model.units():
                 kw = {} if (reshard_after_forward is None or unit is model) else {
                     "reshard_after_forward": reshard_after_forward}
-                fully_shard(unit, mesh=mesh, mp_policy=policy, **kw)
+                fp32 = unit in fp32_units
+                unit_policy = MixedPrecisionPolicy() if fp32 else policy
+                fully_shard(unit, mesh=mesh, mp_policy=unit_policy, **kw)
         else:
             policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
             for unit in model.units():
                 rafa = reshard_after_forward if unit is not model else None
-                zero.shard(unit, stage=int(kind[-1]), mp_policy=policy, reshard_after_forward=rafa)
+                unit_policy = None if unit in fp32_units else policy
+                zero.shard(unit, stage=int(kind[-1]), mp_policy=unit_policy,
+                           reshard_after_forward=rafa)
         self.model = model
         self.opt = make_optimizer(opt, list(model.named_parameters()))
 
     def no_sync(self):
+        if self.kind == "replicated":
+            return contextlib.nullcontext()  # it averages only after the step's last backward
         if self.kind.startswith("ddp"):
             return self.model.no_sync()
         if self.kind.startswith("fsdp2"):
@@ -110,9 +126,12 @@ class System:
     def full_params(self) -> dict[str, torch.Tensor]:
         if self.kind.startswith("ddp"):
             return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}
+        if self.kind == "replicated":
+            return {n: p.detach().clone() for n, p in self.model.named_parameters()}
         if self.kind.startswith("fsdp2"):
             return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
-        return {n: t.clone() for n, t in zero.full_state_dict(self.model).items()}
+        full = zero.full_state_dict(self.model)  # also buffers and tied aliases: keep params
+        return {n: full[n].clone() for n, _ in self.model.named_parameters()}
 
     def step(self, rank: int, step: int, micro: int = 1, clip: tuple | None = None,
              batch: int = 4):
@@ -129,10 +148,26 @@ class System:
                 loss = self.base.loss(self.model(x), y)
                 loss.backward()
             losses.append(loss.detach().float())
+        if self.kind == "replicated":
+            average_gradients(self.model)
         norm = self.clip(*clip) if clip else None
         self.opt.step()
         self.opt.zero_grad()
         return torch.stack(losses), norm
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Each gradient's mean over ranks, in place, as DDP computes it (a parameter with no
+    gradient on some rank counts zero there; one with none on any rank keeps None)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    dist.all_reduce(got, op=dist.ReduceOp.MAX)
+    for p, any_rank in zip(params, got.tolist()):
+        if any_rank:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
 
 
 class _fsdp2_no_sync(contextlib.AbstractContextManager):

@@ -1,0 +1,431 @@
+"""The calling patterns of real model code (transformers, torchtitan), each against a reference.
+
+Every case here was once a silent wrong result: checkpointing called inside a unit's
+``forward``, ``no_sync`` on part of a model, bf16 gradient accumulation, units whose inputs
+and outputs are dataclasses, parameters unfrozen after sharding, a backward that raised,
+tied weights in two forwards before one backward, a module that casts its own weights.
+World size 2, fp32 unless stated, ``torch.equal`` after every step. The reference is DDP
+where DDP runs the pattern, "replicated" (plain PyTorch, each gradient averaged: what DDP
+computes) where it does not, and FSDP2 where only FSDP2 has the same feature.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import zero
+from compare import System, first_difference
+from harness import run_ranks
+from zerolab.measure import CommBytes
+from zerolab.models import GPT
+
+DIM = 12
+
+
+class Net(nn.Module):
+    """A root ``inp`` -> blocks -> ``out``; each block is a unit, the root holds the rest."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(blocks)
+        self.out = nn.Linear(DIM, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    def units(self):
+        return [*self.blocks, self]
+
+    def batch(self, b, gen):
+        return torch.randn(b, DIM, generator=gen), torch.randn(b, 3, generator=gen)
+
+    @staticmethod
+    def loss(out, y):
+        return F.mse_loss(out.float(), y)
+
+
+class Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _plain(rank, steps, systems, step=None, check=None):
+    """Step every system; return what differs from systems[0] after each step."""
+    failures = []
+    for s in range(steps):
+        for sys_ in systems:
+            (step or (lambda sys_, rank, s: sys_.step(rank, s)))(sys_, rank, s)
+        ref = systems[0].full_params()
+        for sys_ in systems[1:]:
+            if (diff := first_difference(sys_.full_params(), ref)) is not None:
+                failures.append(f"{sys_.kind} after step {s}: {diff}")
+    return failures
+
+
+def _compare(rank, n, make, ref, kinds, opts=None):
+    """Train ``make()`` with ``ref`` and ``kinds``; opts: steps, step (a custom step), mp."""
+    opts = dict(opts or {})
+    steps, step, mp = opts.pop("steps", 3), opts.pop("step", None), opts.pop("mp", False)
+    torch.manual_seed(0)
+    base = make()
+    systems = [System(k, base, "adamw", mp=mp) for k in [ref, *kinds]]
+    return _plain(rank, steps, systems, step)
+
+
+def _inner(sys_):
+    return sys_.model.module if sys_.kind.startswith("ddp") else sys_.model
+
+
+def _batch(sys_, rank, step, micro=0):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return sys_.base.batch(4, gen)
+
+
+ZERO = ["zero1", "zero2", "zero3"]
+
+
+# ---- 1. activation checkpointing called inside a unit's forward (transformers 5) ------------
+
+class CheckpointInside(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(lambda t: torch.tanh(self.lin(t)) * self.scale, x,
+                          use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_called_inside_forward_matches_ddp(reentrant):
+    make = lambda: Net([CheckpointInside(reentrant) for _ in range(2)])  # noqa: E731
+    assert run_ranks(_compare, 2, make, "ddp", ZERO + ["fsdp2"]) == [[], []]
+
+
+# ---- 2./3. no_sync on part of a model; bf16 accumulation ------------------------------------
+
+@contextlib.contextmanager
+def _no_sync(sys_, module):
+    if sys_.kind.startswith("fsdp2"):
+        module.set_requires_gradient_sync(False)
+        yield
+        module.set_requires_gradient_sync(True)
+    else:
+        with zero.no_sync(module):
+            yield
+
+
+def _partial_no_sync_step(sys_, rank, step, micro=3):
+    """Micro-batches 0..micro-2 skip the gradient sync of the first block only."""
+    model = sys_.model
+    for m in range(micro):
+        x, y = _batch(sys_, rank, step, m)
+        last = m == micro - 1
+        with contextlib.nullcontext() if last else _no_sync(sys_, model.blocks[0]):
+            sys_.base.loss(model(x), y).backward()
+    sys_.opt.step()
+    sys_.opt.zero_grad()
+
+
+@pytest.mark.parametrize("mp", [False, True])
+def test_no_sync_on_a_submodule_matches_fsdp2(mp):
+    opts = {"step": _partial_no_sync_step, "mp": mp}
+    assert run_ranks(_compare, 2, GPT, "fsdp2", ZERO, opts) == [[], []]
+
+
+def test_bf16_gradient_accumulation_happens_in_reduce_dtype_like_fsdp2():
+    step = lambda sys_, rank, s: sys_.step(rank, s, micro=4)  # noqa: E731
+    assert run_ranks(_compare, 2, GPT, "fsdp2", ZERO, {"step": step, "mp": True}) == [[], []]
+
+
+# ---- 4. inputs and outputs in dataclasses -----------------------------------------------------
+
+@dataclass
+class Hidden:
+    states: torch.Tensor
+    scale: float = 1.0
+
+
+class DataclassBlock(Tanh):
+    def forward(self, h: Hidden) -> Hidden:
+        return Hidden(torch.tanh(self.lin(h.states)) * h.scale + h.states, h.scale)
+
+
+class DataclassNet(Net):
+    def forward(self, x):
+        h = Hidden(self.inp(x), 0.5)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h.states)
+
+
+def _dataclass_net():
+    return DataclassNet([DataclassBlock() for _ in range(3)])
+
+
+def test_dataclass_inputs_and_outputs_match_ddp_and_fsdp2():
+    assert run_ranks(_compare, 2, _dataclass_net, "ddp", ZERO + ["fsdp2"]) == [[], []]
+
+
+def test_dataclass_inputs_are_cast_like_fsdp2_in_bf16():
+    assert run_ranks(_compare, 2, _dataclass_net, "fsdp2", ZERO, {"mp": True}) == [[], []]
+
+
+class Box:
+    """A container that no tree walk knows: the unit's output is invisible to zero."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class BoxBlock(Tanh):
+    def forward(self, x):
+        return Box(torch.tanh(self.lin(x)))
+
+
+class BoxNet(Net):
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x).t
+        return self.out(x)
+
+
+def _hidden_output(rank, n):
+    torch.manual_seed(0)
+    model = BoxNet([BoxBlock() for _ in range(2)])
+    for unit in model.units():
+        zero.shard(unit, stage=3)
+    x, y = model.batch(4, torch.Generator().manual_seed(rank))
+    loss = model.loss(model(x), y)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_backward_through_a_freed_unit_raises_instead_of_reading_freed_memory():
+    for error in run_ranks(_hidden_output, 2):
+        assert error is not None and "blocks.1" in error and "was freed" in error, error
+        assert "reshard_after_forward=False" in error, error
+
+
+# ---- 5. parameters frozen at shard time, unfrozen later ---------------------------------------
+
+def _unfreeze_step(sys_, rank, step):
+    if step == 1:
+        _inner(sys_).blocks[1].requires_grad_(True)
+    sys_.step(rank, step)
+
+
+def _frozen_block():
+    net = Net([Tanh() for _ in range(3)])
+    net.blocks[1].requires_grad_(False)
+    return net
+
+
+def test_a_unit_unfrozen_after_sharding_trains_like_plain_pytorch():
+    opts = {"step": _unfreeze_step}
+    assert run_ranks(_compare, 2, _frozen_block, "replicated", ZERO + ["fsdp2"], opts) == [[], []]
+
+
+def test_freezing_after_sharding_stops_training_like_plain_pytorch():
+    def step(sys_, rank, s):
+        if s == 1:
+            _inner(sys_).blocks[0].lin.weight.requires_grad_(False)
+        sys_.step(rank, s)
+
+    make = lambda: Net([Tanh() for _ in range(2)])  # noqa: E731
+    assert run_ranks(_compare, 2, make, "replicated", ZERO + ["fsdp2"], {"step": step}) == [[], []]
+
+
+# ---- 6. a forward or backward that raises part-way --------------------------------------------
+
+class Injected(Exception):
+    pass
+
+
+class Failing(Tanh):
+    fail = None  # "forward" or "backward": raise there, once
+
+    def forward(self, x):
+        if self.fail == "forward":
+            raise Injected("forward")
+        y = torch.tanh(self.lin(x))
+        if self.fail == "backward":
+            y.register_hook(lambda g: (_ for _ in ()).throw(Injected("backward")))
+        return y
+
+
+def _failing_step(where):
+    def step(sys_, rank, s):
+        failing = _inner(sys_).blocks[1]
+        failing.fail = where if s == 1 else None
+        try:
+            sys_.step(rank, s)
+        except Injected:
+            sys_.opt.zero_grad()  # what a training loop that catches the error does
+        failing.fail = None
+    return step
+
+
+@pytest.mark.filterwarnings("ignore:the previous")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_iteration_after_a_raising_forward_or_backward_trains_correctly(where):
+    make = lambda: Net([Tanh(), Failing(), Tanh()])  # noqa: E731
+    opts = {"steps": 4, "step": _failing_step(where)}
+    assert run_ranks(_compare, 2, make, "replicated", ZERO, opts) == [[], []]
+
+
+# ---- 7. full_state_dict has every key of the unsharded state_dict ----------------------------
+
+class WithBuffers(GPT):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(self.cfg.dim)
+        self.register_buffer("persistent", torch.arange(3.0))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def _state_dict_keys(rank, n, stage):
+    torch.manual_seed(0)
+    model = WithBuffers()
+    plain = WithBuffers()
+    plain.load_state_dict(model.state_dict())
+    expected = plain.state_dict()
+    for unit in model.units():
+        zero.shard(unit, stage=stage)
+    full = zero.full_state_dict(model)
+    same = all(k in full and torch.equal(full[k], expected[k]) for k in expected)
+    plain.load_state_dict(full, strict=True)
+    return list(full), list(expected), same
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_state_dict_has_the_keys_of_the_unsharded_state_dict(stage):
+    full, expected, same = run_ranks(_state_dict_keys, 2, stage)[0]
+    assert full == expected and same
+    assert "head.weight" in full and "norm.running_mean" in full and "scratch" not in full
+
+
+# ---- 8. two forwards before one backward, with tied weights -----------------------------------
+
+def _two_forwards(sys_, rank, step):
+    (x1, y1), (x2, y2) = _batch(sys_, rank, step, 0), _batch(sys_, rank, step, 1)
+    loss = sys_.base.loss(sys_.model(x1), y1) + sys_.base.loss(sys_.model(x2), y2)
+    loss.backward()
+    sys_.opt.step()
+    sys_.opt.zero_grad()
+
+
+def test_two_forwards_before_one_backward_with_tied_weights_match_ddp():
+    assert run_ranks(_compare, 2, GPT, "ddp", ZERO + ["fsdp2"], {"step": _two_forwards}) == [[], []]
+
+
+# ---- 9. world size 1: no collective at all ----------------------------------------------------
+
+def _world_size_one_traffic(rank, n, stage):
+    torch.manual_seed(0)
+    with zero.Ledger() as ledger:
+        model = GPT()
+        for unit in model.units():
+            zero.shard(unit, stage=stage)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(s):
+            x, y = model.batch(4, torch.Generator().manual_seed(s))
+            model.loss(model(x), y).backward()
+            zero.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+
+        step(0)
+        with CommBytes() as comm:  # torch's count, from the dispatcher: nothing escapes it
+            step(1)
+        zero.full_state_dict(model)
+    return len(ledger.records), dict(comm.calls)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_one_issues_no_collective(stage):
+    assert run_ranks(_world_size_one_traffic, 1, stage) == [(0, {})]
+
+
+# ---- 10. a module that casts its own weights in forward (Switch's router) ----------------------
+
+class Router(nn.Module):
+    """Computes in fp32 whatever the model's dtype, as Switch Transformers' router does."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = nn.Linear(DIM, 2, bias=False)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(x.to(torch.float32)).softmax(-1)
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = Router()
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, x):
+        probs = self.router(x)
+        return sum(probs[..., i : i + 1] * e(x) for i, e in enumerate(self.experts)).to(x.dtype)
+
+
+class RouterNet(Net):
+    def __init__(self, router_unit: bool):
+        super().__init__([MoE(), MoE()])
+        self.router_unit = router_unit
+
+    def units(self):
+        return [*self.fp32_units(), *self.blocks, self]
+
+    def fp32_units(self):
+        """Units that keep computing in fp32 under a bf16 policy (zerolab.systems.System)."""
+        return [b.router for b in self.blocks] if self.router_unit else []
+
+
+def _router_in_bf16_unit(rank, n, stage):
+    torch.manual_seed(0)
+    model = RouterNet(router_unit=False)
+    for unit in model.units():
+        zero.shard(unit, stage=stage, mp_policy=zero.MixedPrecision(torch.bfloat16, torch.float32))
+    x, y = model.batch(4, torch.Generator().manual_seed(rank))
+    try:
+        model.loss(model(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_casting_its_own_weights_in_a_bf16_unit_raises_naming_the_fix(stage):
+    for error in run_ranks(_router_in_bf16_unit, 2, stage):
+        assert error is not None and "blocks.0.router.classifier" in error, error
+        assert "its own unit" in error, error
+
+
+def test_the_fix_a_router_as_its_own_fp32_unit_matches_fsdp2():
+    make = lambda: RouterNet(router_unit=True)  # noqa: E731
+    assert run_ranks(_compare, 2, make, "fsdp2", ZERO, {"mp": True}) == [[], []]

@@ -1,0 +1,83 @@
+"""The guard: backward never reads the memory of a unit's freed parameters.
+
+Stage 3 frees a unit's full parameters after its forward and gathers them again when
+backward reaches the unit's output (its pre-backward hook). Meanwhile the autograd graph
+keeps views of the freed storage: a Linear saves its weight to compute its input's
+gradient. If the pre-backward hook never runs, because the output hid somewhere
+``zero/tree.py`` cannot see, backward would read whatever that memory holds by then:
+gradients that are silently wrong, different from run to run.
+
+So while units that free their parameters run forward, a saved-tensor hook (autograd's
+``saved_tensors_hooks``) notes each tensor saved from such a unit's storage, and when
+backward unpacks one, the unit must be gathered, or we raise. The check costs one
+dictionary lookup per saved tensor. If the model installs saved-tensor hooks of its own
+(activation offloading copies each saved tensor away), those stay in charge and the guard
+stands aside: a copy cannot be freed under it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch._C._autograd import (
+    _pop_saved_tensors_default_hooks,
+    _push_saved_tensors_default_hooks,
+    _saved_tensors_hooks_is_enabled,
+    _top_saved_tensors_default_hooks,
+)
+
+if TYPE_CHECKING:
+    from zero.unit import Unit
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage; it survives ``resize_`` (free and re-gather)."""
+    return t.untyped_storage()._cdata
+
+
+class _Saved:
+    """A tensor autograd saved from a freeable unit's storage, with its unit."""
+
+    __slots__ = ("tensor", "unit")
+
+    def __init__(self, tensor: torch.Tensor, unit: "Unit"):
+        self.tensor, self.unit = tensor, unit
+
+
+class Guard:
+    """One per root: active from the first guarded unit's pre-forward to its post-forward."""
+
+    def __init__(self, units: list["Unit"]):
+        self._units = {storage_key(u._unsharded_data): u for u in units}
+        self._depth = 0  # guarded units currently inside their forward
+        self._pushed = False
+
+    def enter(self) -> None:
+        self._depth += 1
+        if self._depth == 1 and _saved_tensors_hooks_is_enabled():
+            if _top_saved_tensors_default_hooks(False) is None:  # no model hooks to respect
+                _push_saved_tensors_default_hooks(self._pack, self._unpack)
+                self._pushed = True
+
+    def exit(self) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0:
+            self.reset()
+
+    def reset(self) -> None:
+        """Take the hooks off (also after a forward that raised and never reached exit)."""
+        top = _top_saved_tensors_default_hooks(False)
+        if self._pushed and top is not None and top[0] == self._pack:
+            _pop_saved_tensors_default_hooks()
+        self._pushed, self._depth = False, 0
+
+    def _pack(self, t: torch.Tensor):
+        unit = self._units.get(storage_key(t)) if t.layout == torch.strided else None
+        return t if unit is None else _Saved(t, unit)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _Saved):
+            saved.unit.check_gathered_for_backward()
+            return saved.tensor
+        return saved

@@ -1,0 +1,62 @@
+"""Finding the tensors in a unit's inputs and outputs, wherever model code puts them.
+
+A unit needs the tensors of its output (to hook the moment backward reaches it) and of its
+input (to cast them under mixed precision). Real model code returns more than tensors and
+tuples: transformers returns dataclasses (``CausalLMOutput``), torchtitan dicts, others
+namedtuples. ``torch.utils._pytree`` does not look inside a dataclass it was not told
+about, and a tensor we do not find is a unit whose backward we never see. So we walk the
+same containers FSDP2 walks (``torch.distributed.utils._apply_to_tensors``): tensors,
+namedtuples, dataclasses, dicts, lists and tuples. Anything else is a leaf; a stage-3 unit
+whose output tensors hide in one raises in backward (``zero/unit.py``'s guard), never reads
+freed memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def tensors_in(x: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``x``, depth first."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif _is_namedtuple(x) or isinstance(x, (list, tuple)):
+        for item in x:
+            yield from tensors_in(item)
+    elif _is_dataclass_instance(x):
+        for field in dataclasses.fields(x):
+            yield from tensors_in(getattr(x, field.name))
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from tensors_in(item)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
+    """``x`` rebuilt with ``fn`` applied to every tensor (containers copied, not modified)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if _is_namedtuple(x):
+        return type(x)(*(map_tensors(fn, item) for item in x))
+    if _is_dataclass_instance(x):
+        changes = {f.name: map_tensors(fn, getattr(x, f.name)) for f in dataclasses.fields(x)
+                   if f.init}
+        return dataclasses.replace(x, **changes)
+    if isinstance(x, dict):
+        out = x.copy()  # keeps the dict's class (OrderedDict, ...)
+        for key, value in x.items():
+            out[key] = map_tensors(fn, value)
+        return out
+    if isinstance(x, (list, tuple)):
+        return type(x)(map_tensors(fn, item) for item in x)
+    return x
