@@ -144,7 +144,8 @@ def with_checkpointing(impl: str):
             for block in model.layers:
                 composable_checkpoint(block)
         elif impl == "wrapper":
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock))
+            apply_activation_checkpointing(
+                model, check_fn=lambda m: isinstance(m, TransformerBlock))
     return prepare
 
 
