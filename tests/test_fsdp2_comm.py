@@ -8,6 +8,8 @@ backward so that the ranks agree on which parameters got a gradient (FSDP2 has n
 collective, and gets rank-dependent unused parameters wrong: notes/11-conformance.md).
 """
 
+import functools
+
 import pytest
 import torch
 from torch.testing._internal.distributed._tensor.common_dtensor import (
@@ -27,10 +29,15 @@ def units(model):
     return [*[m for m in model.modules() if isinstance(m, TransformerBlock)], model]
 
 
-def _counts(rank, n, raf):
+def _counts(rank, n):
+    """{raf: {system: [forward, backward] collectives}}, counted in a second iteration."""
     torch.manual_seed(42)
     base = Transformer(ModelArgs(n_layers=BLOCKS, dropout_p=0.0))
     inp = data(rank, 0, 2, 16, vocab=8)
+    return {raf: _counts_for(base, inp, raf) for raf in (None, True, False)}
+
+
+def _counts_for(base, inp, raf):
     got = {}
     for kind in ("fsdp2", *ZERO):
         t = Trainer(kind, base, units, raf=raf)
@@ -53,12 +60,17 @@ def _counts(rank, n, raf):
     return got
 
 
+@functools.cache
+def counts():
+    return run_ranks(_counts, 2)[0]  # one run for the three tests below
+
+
 @pytest.mark.parametrize("raf", [None, True, False])
 def test_communication_count_and_order(raf):
     # Ports TestFullyShardCommunication.test_fully_shard_communication_count (counts) and
     # TestFullyShardPrefetch._test_backward_prefetch_forward_backward (the order: each block's
     # gather is issued one block ahead, its reduce-scatter when its gradient is complete).
-    got = run_ranks(_counts, 2, raf)[0]
+    got = counts()[raf]
     forward, backward = got["fsdp2"]
     assert forward == {"all_gather": BLOCKS + 1, "reduce_scatter": 0}
     gathers = {None: BLOCKS, True: BLOCKS + 1, False: 0}[raf]  # the root keeps, by default

@@ -11,6 +11,7 @@ bitwise at world size 2.
 import contextlib
 import copy
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import pytest
@@ -130,27 +131,36 @@ def test_compute_dtype_fp16():
     assert run_ranks(_training, 2, [((FP16, None), False)]) == [[], []]
 
 
-def _fp16_sum(rank, n, kind):
-    model = nn.Linear(1, 1, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-    shard(kind, [(model, (FP16, None))])
-    (model(torch.ones(1, 1)) * 40000.0).sum().backward()  # 40000 on each rank: fits in fp16
-    if kind == "fsdp2":
-        return model.weight.grad.full_tensor().item()
-    return zero_full(model, "grads")["weight"].item()
+def _fp16_mean(rank, n):
+    """{system: the mean of a gradient that is 40000 on each rank, reduced in fp16}."""
+    out = {}
+    for kind in ("fsdp2", *ZERO):
+        model = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        shard(kind, [(model, (FP16, None))])
+        (model(torch.ones(1, 1)) * 40000.0).sum().backward()  # fits in fp16; twice does not
+        grad = model.weight.grad
+        out[kind] = (grad.full_tensor() if kind == "fsdp2" else
+                     zero_full(model, "grads")["weight"]).item()
+    return out
+
+
+@functools.cache
+def fp16_mean():
+    return run_ranks(_fp16_mean, 2)[0]  # one run for the tests below
 
 
 def test_fsdp2_fp16_reduction_does_not_overflow():
     # What torch's _get_gradient_divide_factors guards against (fp16 only): the mean of 40000
     # and 40000 is 40000, but their fp16 sum is inf.
-    assert run_ranks(_fp16_sum, 2, "fsdp2")[0] == 40000.0
+    assert fp16_mean()["fsdp2"] == 40000.0
 
 
 @pytest.mark.xfail(strict=True, reason=FP16_REDUCTION)
 @pytest.mark.parametrize("kind", ZERO)
 def test_fp16_reduction_does_not_overflow(kind):
-    assert run_ranks(_fp16_sum, 2, kind)[0] == 40000.0
+    assert fp16_mean()[kind] == 40000.0
 
 
 def test_reduce_dtype():
@@ -364,24 +374,25 @@ def test_casts_like_fsdp2():
         assert got[kind] == got["fsdp2"], kind
 
 
-def _reduce_dtype_after_frozen_forward(rank, n, stage):
-    torch.manual_seed(42)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
-    zero.shard(model, stage=stage, mp_policy=zero.MixedPrecision(BF16, FP32))
-    model.requires_grad_(False)
-    with torch.no_grad():
-        model(torch.randn(4, 16))
-    model.requires_grad_(True)
-    with zero.Ledger() as ledger:
-        model(torch.randn(4, 16)).sum().backward()
-    return ([r.dtype for r in ledger.select(op="reduce_scatter")],
-            [p.grad.dtype for p in model.parameters()])
+def _reduce_dtype_after_frozen_forward(rank, n):
+    out = []
+    for stage in (1, 2, 3):
+        torch.manual_seed(42)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        zero.shard(model, stage=stage, mp_policy=zero.MixedPrecision(BF16, FP32))
+        model.requires_grad_(False)
+        with torch.no_grad():
+            model(torch.randn(4, 16))
+        model.requires_grad_(True)
+        with zero.Ledger() as ledger:
+            model(torch.randn(4, 16)).sum().backward()
+        out.append(([r.dtype for r in ledger.select(op="reduce_scatter")],
+                    [p.grad.dtype for p in model.parameters()]))
+    return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_reduce_dtype_after_frozen_first_forward(stage):
+def test_reduce_dtype_after_frozen_first_forward():
     # Ports test_reduce_dtype_after_frozen_first_forward, without its int64 parameter (one
     # unit holds one dtype: notes/11-conformance.md): frozen for a no_grad forward, unfrozen,
-    # then reduced in fp32 with fp32 gradients.
-    reduced, grads = run_ranks(_reduce_dtype_after_frozen_forward, 2, stage)[0]
-    assert reduced == [FP32] and grads == [FP32] * 4
+    # then reduced in fp32 with fp32 gradients, at every stage.
+    assert run_ranks(_reduce_dtype_after_frozen_forward, 2)[0] == [([FP32], [FP32] * 4)] * 3

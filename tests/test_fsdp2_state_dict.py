@@ -7,6 +7,7 @@ them back; ours holds each rank's 1-D pieces under the same names (the parameter
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -67,21 +68,32 @@ def test_state_dict_save_load():
     assert run_ranks(_save_load, 2) == [[], []]
 
 
-def _forward_after_writes(rank, n, stage, how):
+def _forward_after_writes(rank, n):
+    """{(stage, how): whether the forward after the write computes with the written values}."""
     base = mlp_model(3)
-    model = sharded(base, stage)
-    if how == "fill":
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(0.5)
-    else:
-        model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
     ref = copy.deepcopy(base)
     with torch.no_grad():
         for p in ref.parameters():
             p.fill_(0.5)
     x = data(rank, 0, 2, 3)
-    return torch.equal(model(x), ref(x))
+    out = {}
+    for stage in (1, 2, 3):
+        for how in ("load_state_dict", "fill"):
+            model = sharded(base, stage)
+            if how == "fill":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.fill_(0.5)
+            else:
+                model.load_state_dict({k: torch.full_like(v, 0.5)
+                                       for k, v in model.state_dict().items()})
+            out[stage, how] = torch.equal(model(x), ref(x))
+    return out
+
+
+@functools.cache
+def forward_after_writes():
+    return run_ranks(_forward_after_writes, 2)  # one run for the six tests below
 
 
 STALE = ("issue 11 new: at stages 1 and 2 a write to the sharded parameters outside an "
@@ -98,30 +110,30 @@ STALE = ("issue 11 new: at stages 1 and 2 a write to the sharded parameters outs
 def test_forward_after_load_state_dict_uses_the_loaded_values(stage, how):
     # What test_dp_state_dict_save_load's load implies: the model then computes with the loaded
     # values (FSDP2 gathers them at the next forward). The same for an in-place write.
-    assert run_ranks(_forward_after_writes, 2, stage, how) == [True, True]
+    assert [ranks[stage, how] for ranks in forward_after_writes()] == [True, True]
 
 
-def _cached_state_dict(rank, n, stage):
-    torch.manual_seed(42)
-    model = nn.Linear(5, 5, bias=False)
-    zero.shard(model, stage=stage)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sd = model.state_dict()  # taken once, then reused
+def _cached_state_dict(rank, n):
     same = []
-    for it in range(3):
-        model(data(rank, it, 5, 5)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        same.append(sd["weight"].data_ptr() == model.weight.data_ptr()
-                    and torch.equal(sd["weight"], model.weight.detach()))
+    for stage in (1, 2, 3):
+        torch.manual_seed(42)
+        model = nn.Linear(5, 5, bias=False)
+        zero.shard(model, stage=stage)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sd = model.state_dict()  # taken once, then reused
+        for it in range(3):
+            model(data(rank, it, 5, 5)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            same.append(sd["weight"].data_ptr() == model.weight.data_ptr()
+                        and torch.equal(sd["weight"], model.weight.detach()))
     return same
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_cached_state_dict(stage):
+def test_cached_state_dict():
     # Ports test_cached_state_dict (mutate_after_state_dict=False): a state dict taken once
-    # stays the live parameters through training.
-    assert run_ranks(_cached_state_dict, 2, stage) == [[True] * 3] * 2
+    # stays the live parameters through training, at every stage.
+    assert run_ranks(_cached_state_dict, 2) == [[True] * 9] * 2
 
 
 def _full_state_dict(rank, n):
