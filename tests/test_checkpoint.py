@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -401,6 +402,24 @@ def test_corrupt_truncated_and_wrong_model_checkpoints_give_clear_errors(tmp_pat
     assert nowhere.startswith("FileNotFoundError")
 
 
+def _seen_by_rank0_only(rank, n, root):
+    s = _system("gpt", "zero3", "sgd", seed=1)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError) as info:  # rank 1's disk lacks it (node-local disks)
+        zero.load(root if rank == 0 else os.path.join(root, "elsewhere"), s.model, s.opt)
+    return str(info.value), time.monotonic() - start
+
+
+def test_a_checkpoint_missing_on_one_rank_raises_on_every_rank_at_once(tmp_path):
+    """The ranks agree on the checks' outcome before any collective: rank 0, which sees the
+    checkpoint, must not wait for rank 1 in dcp.load forever."""
+    run_ranks(_save_sgd, 2, str(tmp_path))
+    (first, t0), (second, t1) = run_ranks(_seen_by_rank0_only, 2, str(tmp_path), timeout=20)
+    assert first.startswith(f"rank 1 cannot load {tmp_path}: no checkpoint at {tmp_path}/elsewhere")
+    assert second.startswith(f"no checkpoint at {tmp_path}/elsewhere")
+    assert max(t0, t1) < 5, (t0, t1)
+
+
 # ---- the consolidated export ---------------------------------------------------------------
 
 
@@ -408,14 +427,28 @@ def test_export_loads_into_a_plain_model_and_the_command_line_writes_the_same(tm
     full = run_ranks(_save_one, 2, str(tmp_path / "ckpt"), 2)[0]  # zero.full_state_dict
     state = zero.checkpoint.export(str(tmp_path / "ckpt"), str(tmp_path / "model.pt"))
     plain = GPT()  # one process, no process group, not sharded
-    plain.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict: every key, every shape
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)  # tensors only: no code
+    plain.load_state_dict(exported)  # strict: every key, every shape
     assert first_difference({n: p.detach() for n, p in plain.named_parameters()}, full) is None
 
     cli = [sys.executable, "-m", "zero", "export", str(tmp_path / "ckpt"),
            str(tmp_path / "cli.pt")]
     done = subprocess.run(cli, capture_output=True, text=True, cwd=os.path.dirname(zero.__path__[0]))
     assert done.returncode == 0 and done.stderr == "" and "wrote" in done.stdout, done.stderr
-    assert first_difference(torch.load(tmp_path / "cli.pt"), state) is None
+    assert first_difference(torch.load(tmp_path / "cli.pt", weights_only=True), state) is None
+
+
+def _save_without_model(rank, n, path):
+    dcp.save({"weights": {"w": torch.ones(4)}, "step": torch.tensor(3)}, checkpoint_id=path)
+
+
+def test_export_of_a_checkpoint_without_a_model_names_what_is_missing(tmp_path):
+    run_ranks(_save_without_model, 2, str(tmp_path / "ckpt"))
+    cli = [sys.executable, "-m", "zero", "export", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]
+    done = subprocess.run(cli, capture_output=True, text=True, cwd=os.path.dirname(zero.__path__[0]))
+    assert done.returncode == 1, done.stdout
+    assert "holds no 'model' entry (its top-level keys: step; weights)" in done.stderr, done.stderr
+    assert not os.path.exists(tmp_path / "out.pt")
 
 
 def _before_first_step(rank, n, root):

@@ -13,7 +13,9 @@ overlap each rank's chunk, and FSDP2 reads our checkpoints and we read theirs
 (notes/07-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
 
 Writes are atomic: a crash during ``save`` leaves the previous checkpoint loadable
-(``zero/checkpoint_dir.py``).
+(``zero/checkpoint_dir.py``). Reads run no code: a checkpoint is data, whoever made it
+(``zero/safe_pickle.py``); and before a byte is read every rank checks the checkpoint and the
+ranks agree on the outcome, so a bad one raises on every rank and none hangs.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from zero import checkpoint_dir as ckdir
-from zero import comm
+from zero import checkpoint_read, comm, safe_pickle
 from zero.fsdp2_layout import chunk_of, chunks_to_flat, flat_to_chunks, mesh_of, to_dtensor
 from zero.shard import units_of
 
@@ -141,23 +142,20 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     Returns:
         The DCP directory read.
 
-    Raises:
+    Raises (on every rank, whichever rank found it):
         FileNotFoundError: no checkpoint at ``path``.
-        RuntimeError: the checkpoint is corrupt or truncated (names the keys affected).
+        UntrustedCheckpointError: it holds a pickle that would run code (it was not run).
+        RuntimeError: the checkpoint is corrupt or truncated (names the keys affected), or
+            the ranks read different checkpoints.
         ValueError: it was saved from another model (names the keys and shapes that differ).
     """
-    ckpt = ckdir.resolve(path)
-    meta = ckdir.read_metadata(ckpt)
     units, names = units_of(model), _first_names(model)
     entries = model.state_dict(keep_vars=True)  # the names to fill: tied ones, buffers too
     shapes = {k: t._zero_unit.layout.shapes[t._zero_index] if hasattr(t, "_zero_unit") else t.shape
               for k, t in entries.items()}
-    elementwise = ckdir.check_fits(ckpt, meta, shapes, optimizer is not None)
+    ckpt, meta, elementwise = _agreed(path, _checked, path, shapes, optimizer is not None)
     template, chunks = _templates(meta, units, names, entries, elementwise, optimizer is not None)
-    try:
-        dcp.load(template, storage_reader=FileSystemReader(ckpt))
-    except CheckpointException as e:
-        raise RuntimeError(f"reading {ckpt} failed; its data files are corrupt: {e}") from e
+    checkpoint_read.read(template, ckpt, meta)
 
     with torch.no_grad():
         for unit in units:
@@ -171,6 +169,41 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     if optimizer is not None:
         _load_optim(optimizer, units, names, template["optim"], elementwise)
     return ckpt
+
+
+def _checked(path: str, shapes: dict, with_optim: bool):
+    """Every check before the first byte is read, on this rank alone (no collective)."""
+    ckpt = ckdir.resolve(path)
+    meta, fingerprint = ckdir.read_metadata(ckpt)
+    return (ckpt, meta, ckdir.check_fits(ckpt, meta, shapes, with_optim)), fingerprint
+
+
+_ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
+                                   safe_pickle.UntrustedCheckpointError)}
+
+
+def _agreed(path: str, checks: Callable, *args):
+    """Run ``checks`` on every rank, then agree, in one small all-gather, before any collective
+    that moves data: every rank returns, or every rank raises (its own error, or else the first
+    failing rank's). Ranks can see different files: a node-local disk, an unfinished copy."""
+    mine, fingerprint = None, None
+    try:
+        value, fingerprint = checks(*args)
+    except Exception as e:  # noqa: BLE001 (reported on every rank below)
+        mine = e
+    error = None if mine is None else (type(mine).__name__, str(mine))
+    told = comm.all_gather_object((error, fingerprint))
+    if mine is not None:
+        raise mine
+    if failed := [(r, error) for r, (error, _) in enumerate(told) if error]:
+        rank, (kind, message) = failed[0]
+        raise _ERRORS.get(kind, RuntimeError)(f"rank {rank} cannot load {path}: {message}")
+    if len({f for _, f in told}) > 1:
+        raise RuntimeError(
+            f"the ranks read different checkpoints at {path} (their .metadata differ): every "
+            "rank must see the same, complete checkpoint; put it on a file system they share, "
+            "and load it once it is fully written or copied")
+    return value
 
 
 def _templates(meta, units, names, entries, elementwise, with_optim: bool):
@@ -243,16 +276,19 @@ def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     """Consolidate a checkpoint's model into one ``torch.save`` file of ``{name: full tensor}``.
 
     Runs in one process, without a process group, and holds the whole model in memory (that is
-    the point). A plain unsharded model loads the file with ``load_state_dict``.
+    the point). Reads run no code, like ``load``; the file written holds only tensors (and
+    plain values), so it loads with ``torch.load(out_file, weights_only=True)``, and a plain
+    unsharded model loads it with ``load_state_dict``.
     """
     ckpt = ckdir.resolve(path)
-    meta = ckdir.read_metadata(ckpt)
+    meta, _ = ckdir.read_metadata(ckpt)
+    ckdir.check_has_model(ckpt, meta)
     ckdir.check_files(ckpt, meta)
     template = ckdir.plain_template(meta, {"model"}, "cpu")
     with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, storage_reader=FileSystemReader(ckpt), no_dist=True)
-    state = template.get("model", {})
+        checkpoint_read.read(template, ckpt, meta, no_dist=True)
+    state = template["model"]
     tmp = f"{out_file}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, out_file)  # atomic, like the checkpoint itself

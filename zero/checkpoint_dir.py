@@ -8,21 +8,29 @@ DCP writes ``.metadata`` only after every rank has written its data, and we flip
 only after that, so a crash at any moment leaves ``latest`` at a complete checkpoint.
 ``load`` and FSDP2 users read ``ckpt/latest``; any plain DCP directory loads too.
 
-Checks happen before any byte is read or any collective runs, so every rank raises the same
-error: a missing or corrupt ``.metadata``, a data file shorter than ``.metadata`` says
-(truncated), or keys and shapes that differ from the model's (another model).
+Checks happen before any byte is read or any collective runs: a missing or corrupt
+``.metadata``, one that asks for more than data (``zero/safe_pickle.py``: refused, not run), one
+whose chunks do not tile their tensors or whose records overlap or point outside the directory,
+a data file shorter than ``.metadata`` says (truncated), or keys and shapes that differ from
+the model's (another model). ``load`` then has the ranks agree on the outcome.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import re
 import shutil
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+
+from zero import safe_pickle
 
 
 def next_version(path: str) -> str:
@@ -62,17 +70,96 @@ def resolve(path: str) -> str:
         f"{path}/latest (written by zero.save) exists")
 
 
-def read_metadata(ckpt: str) -> Metadata:
-    """``.metadata``: every key's full shape and dtype, and where each chunk's bytes are."""
+def read_metadata(ckpt: str) -> tuple[Metadata, str]:
+    """``.metadata``, read without running code and checked for everything DCP relies on; and
+    a fingerprint of its bytes (ranks compare it: they must read the same checkpoint)."""
+    file = os.path.join(ckpt, ".metadata")
+    with open(file, "rb") as f:
+        data = f.read()
     try:
-        meta = FileSystemReader(ckpt).read_metadata()
+        meta = safe_pickle.load_metadata(data, file)
+    except safe_pickle.UntrustedCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 (any unpickling failure means the same)
-        raise RuntimeError(
-            f"{ckpt}/.metadata is corrupt ({type(e).__name__}: {e}); load an earlier "
-            "checkpoint") from e
-    if not meta.planner_data:
+        raise RuntimeError(f"{file} is corrupt ({type(e).__name__}: {e}); load an earlier "
+                           "checkpoint") from e
+    if isinstance(meta, Metadata) and not meta.planner_data:
         raise ValueError(f"{ckpt} was not saved as a nested state dict {{'model': ..., 'optim': ...}}")
-    return meta
+    try:
+        problem = _malformed(meta)
+    except (AttributeError, TypeError) as e:  # an object lacks a field, or holds a wrong type
+        problem = f"{type(e).__name__}: {e}"
+    if problem:
+        raise RuntimeError(f"{file} is corrupt: {problem}; load an earlier checkpoint")
+    return meta, hashlib.sha256(data).hexdigest()
+
+
+def _malformed(meta) -> str | None:
+    """What in ``meta`` is not as DCP writes it, or None. Types first (a pickle of the wrong
+    objects); then each tensor's chunks lie inside it and add up to it (overlaps between them
+    are not looked for), each with a stored record big enough for its elements, in a plain
+    file name, no two records overlapping: so what a load allocates cannot outgrow the files,
+    and nothing is read from outside the checkpoint directory."""
+    if not isinstance(meta, Metadata):
+        return f"it holds a {type(meta).__name__}, not DCP's Metadata"
+    sdm, paths, stored = meta.state_dict_metadata, meta.planner_data, meta.storage_data
+    if not (isinstance(sdm, dict) and isinstance(paths, dict) and isinstance(stored, dict)
+            and isinstance(meta.storage_meta, (StorageMeta, type(None)))
+            and isinstance(meta.version, (str, type(None)))):
+        return "its fields have the wrong types"
+    records: dict[str, list] = {}
+    for index, where in stored.items():
+        if not (isinstance(index, MetadataIndex) and isinstance(where, _StorageInfo)
+                and _ints(where.offset, where.length) and isinstance(where.relative_path, str)):
+            return f"storage_data holds {index!r}: {where!r}"
+        if where.relative_path in ("", ".", "..") or re.search(r"[/\\\0]", where.relative_path):
+            return f"{index.fqn} is stored in {where.relative_path!r}, outside the checkpoint directory"
+        records.setdefault(where.relative_path, []).append((where.offset, where.length, index.fqn))
+    for file, spans in records.items():
+        spans.sort()
+        for (o1, n1, k1), (o2, _, k2) in zip(spans, spans[1:]):
+            if o1 + n1 > o2:
+                return f"in {file}, the data of {k1} and of {k2} overlap"
+    for key, m in sdm.items():
+        path = paths.get(key)
+        if not (isinstance(key, str) and isinstance(path, tuple) and path
+                and all(isinstance(p, (str, int)) for p in path)):
+            return f"{key!r} has no path in planner_data"
+        if isinstance(m, BytesStorageMetadata):
+            if MetadataIndex(key) not in stored:
+                return f"{key} has no stored data"
+            continue
+        if not (isinstance(m, TensorStorageMetadata) and isinstance(m.properties, TensorProperties)
+                and isinstance(m.properties.dtype, torch.dtype) and isinstance(m.size, torch.Size)
+                and isinstance(m.chunks, list)):
+            return f"{key} is described by {m!r}"
+        if problem := _chunks_problem(key, m, stored):
+            return problem
+    return None
+
+
+def _ints(*values) -> bool:
+    return all(isinstance(v, int) and v >= 0 for v in values)
+
+
+def _chunks_problem(key: str, m: TensorStorageMetadata, stored: dict) -> str | None:
+    covered = 0
+    for c in m.chunks:
+        if not (isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(m.size)
+                and _ints(*c.offsets, *c.sizes)
+                and all(o + n <= d for o, n, d in zip(c.offsets, c.sizes, m.size))):
+            return f"{key} {tuple(m.size)} has a chunk {c!r} outside it"
+        where = stored.get(MetadataIndex(key, c.offsets))
+        need = math.prod(c.sizes) * m.properties.dtype.itemsize
+        if where is None:
+            return f"{key}'s chunk at {tuple(c.offsets)} has no stored data"
+        if not where.transform_descriptors and where.length < need:  # (compressed: can be less)
+            return f"{key}'s chunk at {tuple(c.offsets)} needs {need} bytes, its record holds {where.length}"
+        covered += math.prod(c.sizes)
+    if covered != math.prod(m.size):
+        return f"the chunks of {key} {tuple(m.size)} hold {covered} of its {math.prod(m.size)} elements"
+    return None
 
 
 def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dict:
@@ -114,6 +201,17 @@ def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dic
                          "stage may differ; the parameters' names and shapes may not.)")
     check_files(ckpt, meta)
     return elementwise
+
+
+def check_has_model(ckpt: str, meta: Metadata) -> None:
+    """``export`` writes what is under "model": a checkpoint without one is an error, not an
+    empty file."""
+    tops = sorted({str(path[0]) for path in meta.planner_data.values()})
+    if "model" not in tops:
+        raise ValueError(
+            f"{ckpt} holds no 'model' entry (its top-level keys: {_few(tops)}): export writes "
+            "the model that zero.save and FSDP2 users save as dcp.save({'model': ..., "
+            "'optim': ...}). Save the model's state dict under the key 'model'")
 
 
 def check_files(ckpt: str, meta: Metadata) -> None:
