@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from zerolab.models import GPT, EncoderStack, UnevenMLP
 from zerolab.systems import KINDS, System, make_optimizer  # noqa: F401  (re-exported for tests)
@@ -55,3 +57,80 @@ def run_and_compare(rank: int, systems: list[System], steps: int, check: Callabl
     for s in range(steps):
         outs = [sys_.step(rank, s, **step_kw) for sys_ in systems]
         check(s, systems, outs)
+
+
+# ---- a small model and a driver for the tests of calling patterns and faults ----------------
+
+DIM = 12
+
+
+class Net(nn.Module):
+    """A root ``inp`` -> blocks -> ``out``; each block is a unit, the root holds the rest."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(blocks)
+        self.out = nn.Linear(DIM, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    def units(self):
+        return [*self.blocks, self]
+
+    def batch(self, b, gen):
+        return torch.randn(b, DIM, generator=gen), torch.randn(b, 3, generator=gen)
+
+    @staticmethod
+    def loss(out, y):
+        return F.mse_loss(out.float(), y)
+
+
+class Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def train_and_diff(rank, steps, systems, step=None):
+    """Step every system; return what differs from systems[0] after each step."""
+    failures = []
+    for s in range(steps):
+        for sys_ in systems:
+            (step or (lambda sys_, rank, s: sys_.step(rank, s)))(sys_, rank, s)
+        ref = systems[0].full_params()
+        for sys_ in systems[1:]:
+            if (diff := first_difference(sys_.full_params(), ref)) is not None:
+                failures.append(f"{sys_.kind} after step {s}: {diff}")
+    return failures
+
+
+def compare(rank, n, make, ref, kinds, opts=None):
+    """Train ``make()`` with ``ref`` and ``kinds``; opts: steps, step (a custom step), mp."""
+    opts = dict(opts or {})
+    steps, step, mp = opts.pop("steps", 3), opts.pop("step", None), opts.pop("mp", False)
+    torch.manual_seed(0)
+    base = make()
+    systems = [System(k, base, "adamw", mp=mp) for k in [ref, *kinds]]
+    return train_and_diff(rank, steps, systems, step)
+
+
+def inner(sys_):
+    """The model itself, inside DDP's wrapper or not."""
+    return sys_.model.module if sys_.kind.startswith("ddp") else sys_.model
+
+
+def batch_of(sys_, rank, step, micro=0):
+    """The data of (rank, step, micro-batch), the same for every system."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return sys_.base.batch(4, gen)
+
+
+ZERO = ["zero1", "zero2", "zero3"]

@@ -13,7 +13,12 @@ import torch._dynamo  # noqa: F401  (DDP's lazy import, paid once here)
 import torch.distributed.fsdp  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import harness and compare directly
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Check mode (zero/comm.py): every collective is preceded by an agreement, so ranks that take
+# different paths raise at once, naming what each was doing, instead of hanging the test.
+os.environ.setdefault("ZERO_CHECK", "1")
+os.environ.setdefault("ZERO_TIMEOUT", "30")  # tests import harness and compare directly
 
 # DDP's C++ reducer warns on stderr when find_unused_parameters finds none; not our concern.
 warnings.filterwarnings("ignore", message=".*find_unused_parameters.*")

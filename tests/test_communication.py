@@ -62,11 +62,18 @@ def test_collectives_per_step_and_total_traffic(stage, n):
         assert _by(rec, "all_gather", "forward") == every_unit
         assert _by(rec, "all_gather", "backward") == [x for x in every_unit if x[0] != "root"]
         expected_psi = 3
-    # The only other collective: one all-reduce of a byte per parameter tensor ("used?").
+    # The only other collectives: one all-reduce of a byte per parameter tensor ("used?"),
+    # and the agreements (zero/comm.py): one as the forward starts, and in check mode one
+    # before every other collective; each all-gathers two int64 per rank.
     others = [r for r in rec if r[0] == "all_reduce"]
     assert len(others) == 1 and others[0][5] == torch.uint8 and others[0][2] == "backward"
+    agreements = [r for r in rec if r[0] == "agree"]
+    data = [r for r in rec if r[0] != "agree"]
+    assert len(agreements) == 1 + (len(data) if zero.comm.checking() else 0)
+    assert all(r[3] == 16 * n and r[5] == torch.int64 for r in agreements)
 
     ring = (n - 1) / n
+    rec = data
     sent = sum(r[4] for r in rec if r[0] != "all_reduce")
     full_units = sum(padded.values())
     if stage == 3:

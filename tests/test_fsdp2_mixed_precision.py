@@ -251,22 +251,30 @@ class FromContainer(nn.Module):
         return c.inner.x + c.inner.y + c.z if self.kind == "nested_dataclass" else c.x + c.y
 
 
-def _structured(rank, n, kind):
-    out = []
-    for mp in (None, (BF16, BF16), (BF16, FP32)):
-        torch.manual_seed(42)
-        base = nn.Sequential(ToContainer(kind), ContainerLinear(kind), ContainerLinear(kind),
-                             FromContainer(kind))
-        out += [f"{mp}: {line}" for line in
-                train(systems(base, mp), 2, lambda m, it: m(data(rank, it, 2, 16)).sum())]
+def _structured(rank, n):
+    """{container: mismatches}, each in fp32, bf16, and bf16 with fp32 reduction."""
+    out = {}
+    for kind in ("dataclass", "nested_dataclass", "namedtuple"):
+        out[kind] = []
+        for mp in (None, (BF16, BF16), (BF16, FP32)):
+            torch.manual_seed(42)
+            base = nn.Sequential(ToContainer(kind), ContainerLinear(kind), ContainerLinear(kind),
+                                 FromContainer(kind))
+            out[kind] += [f"{mp}: {line}" for line in
+                          train(systems(base, mp), 2, lambda m, it: m(data(rank, it, 2, 16)).sum())]
     return out
+
+
+@functools.cache
+def structured():
+    return run_ranks(_structured, 2)  # one run for the three tests below
 
 
 @pytest.mark.parametrize("kind", ["dataclass", "nested_dataclass", "namedtuple"])
 def test_structured_input_output(kind):
     # Ports test_structured_input_output (fp32, bf16, bf16 with fp32 reduction). Dataclasses
     # between units were issue 11 case 4, fixed in b7b0865.
-    assert run_ranks(_structured, 2, kind) == [[], []]
+    assert [ranks[kind] for ranks in structured()] == [[], []]
 
 
 # ---- TestFullyShardMixedPrecisionCasts and friends: which dtype reaches which module ----------

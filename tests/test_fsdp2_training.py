@@ -6,6 +6,7 @@ repository). The models are torch's own test models (``torch.testing._internal``
 torch runs 10 iterations, we run 2 or 3. notes/11-conformance.md lists every scenario considered.
 """
 
+import functools
 import gc
 
 import pytest
@@ -149,14 +150,23 @@ def with_checkpointing(impl: str):
     return prepare
 
 
-def _activation_checkpointing(rank, n, impl):
-    out = []
-    for raf in (True, False) if impl == "wrapper" else (True,):
-        base = transformer(checkpoint_activations=impl == "utils")
-        trainers = [Trainer(k, base, blocks_then_root, raf=raf, prepare=with_checkpointing(impl))
-                    for k in ("replicate", "fsdp2", *ZERO)]
-        out += train(trainers, ITERS, token_loss(rank))
+def _activation_checkpointing(rank, n):
+    """{impl: mismatches} for the three ways to checkpoint."""
+    out = {}
+    for impl in ("utils", "composable", "wrapper"):
+        out[impl] = []
+        for raf in (True, False) if impl == "wrapper" else (True,):
+            base = transformer(checkpoint_activations=impl == "utils")
+            trainers = [Trainer(k, base, blocks_then_root, raf=raf,
+                                prepare=with_checkpointing(impl))
+                        for k in ("replicate", "fsdp2", *ZERO)]
+            out[impl] += train(trainers, ITERS, token_loss(rank))
     return out
+
+
+@functools.cache
+def activation_checkpointing():
+    return run_ranks(_activation_checkpointing, 2)  # one run for the three tests below
 
 
 @pytest.mark.parametrize("impl", ["utils", "composable", "wrapper"])
@@ -165,7 +175,7 @@ def test_train_parity_with_activation_checkpointing(impl):
     # groupings put several modules in one unit: notes/11-conformance.md). The wrapper
     # checkpoints inside the unit's forward: both reshard_after_forward values; the others
     # checkpoint around the unit: True only (False is the same path as without checkpointing).
-    assert run_ranks(_activation_checkpointing, 2, impl) == [[], []]
+    assert [ranks[impl] for ranks in activation_checkpointing()] == [[], []]
 
 
 def nested_units(model: nn.Module) -> list[nn.Module]:

@@ -20,82 +20,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import zero
-from compare import System, first_difference
+from compare import DIM, ZERO, Net, System, Tanh, batch_of, compare, inner
 from harness import run_ranks
 from zerolab.measure import CommBytes
 from zerolab.models import GPT
-
-DIM = 12
-
-
-class Net(nn.Module):
-    """A root ``inp`` -> blocks -> ``out``; each block is a unit, the root holds the rest."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.blocks = nn.ModuleList(blocks)
-        self.out = nn.Linear(DIM, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-    def units(self):
-        return [*self.blocks, self]
-
-    def batch(self, b, gen):
-        return torch.randn(b, DIM, generator=gen), torch.randn(b, 3, generator=gen)
-
-    @staticmethod
-    def loss(out, y):
-        return F.mse_loss(out.float(), y)
-
-
-class Tanh(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(DIM, DIM)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-def _plain(rank, steps, systems, step=None, check=None):
-    """Step every system; return what differs from systems[0] after each step."""
-    failures = []
-    for s in range(steps):
-        for sys_ in systems:
-            (step or (lambda sys_, rank, s: sys_.step(rank, s)))(sys_, rank, s)
-        ref = systems[0].full_params()
-        for sys_ in systems[1:]:
-            if (diff := first_difference(sys_.full_params(), ref)) is not None:
-                failures.append(f"{sys_.kind} after step {s}: {diff}")
-    return failures
-
-
-def _compare(rank, n, make, ref, kinds, opts=None):
-    """Train ``make()`` with ``ref`` and ``kinds``; opts: steps, step (a custom step), mp."""
-    opts = dict(opts or {})
-    steps, step, mp = opts.pop("steps", 3), opts.pop("step", None), opts.pop("mp", False)
-    torch.manual_seed(0)
-    base = make()
-    systems = [System(k, base, "adamw", mp=mp) for k in [ref, *kinds]]
-    return _plain(rank, steps, systems, step)
-
-
-def _inner(sys_):
-    return sys_.model.module if sys_.kind.startswith("ddp") else sys_.model
-
-
-def _batch(sys_, rank, step, micro=0):
-    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    return sys_.base.batch(4, gen)
-
-
-ZERO = ["zero1", "zero2", "zero3"]
 
 
 # ---- 1. activation checkpointing called inside a unit's forward (transformers 5) ------------
@@ -115,7 +43,7 @@ class CheckpointInside(nn.Module):
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpoint_called_inside_forward_matches_ddp(reentrant):
     make = lambda: Net([CheckpointInside(reentrant) for _ in range(2)])  # noqa: E731
-    assert run_ranks(_compare, 2, make, "ddp", ZERO + ["fsdp2"]) == [[], []]
+    assert run_ranks(compare, 2, make, "ddp", ZERO + ["fsdp2"]) == [[], []]
 
 
 # ---- 2./3. no_sync on part of a model; bf16 accumulation ------------------------------------
@@ -135,7 +63,7 @@ def _partial_no_sync_step(sys_, rank, step, micro=3):
     """Micro-batches 0..micro-2 skip the gradient sync of the first block only."""
     model = sys_.model
     for m in range(micro):
-        x, y = _batch(sys_, rank, step, m)
+        x, y = batch_of(sys_, rank, step, m)
         last = m == micro - 1
         with contextlib.nullcontext() if last else _no_sync(sys_, model.blocks[0]):
             sys_.base.loss(model(x), y).backward()
@@ -146,12 +74,12 @@ def _partial_no_sync_step(sys_, rank, step, micro=3):
 @pytest.mark.parametrize("mp", [False, True])
 def test_no_sync_on_a_submodule_matches_fsdp2(mp):
     opts = {"step": _partial_no_sync_step, "mp": mp}
-    assert run_ranks(_compare, 2, GPT, "fsdp2", ZERO, opts) == [[], []]
+    assert run_ranks(compare, 2, GPT, "fsdp2", ZERO, opts) == [[], []]
 
 
 def test_bf16_gradient_accumulation_happens_in_reduce_dtype_like_fsdp2():
     step = lambda sys_, rank, s: sys_.step(rank, s, micro=4)  # noqa: E731
-    assert run_ranks(_compare, 2, GPT, "fsdp2", ZERO, {"step": step, "mp": True}) == [[], []]
+    assert run_ranks(compare, 2, GPT, "fsdp2", ZERO, {"step": step, "mp": True}) == [[], []]
 
 
 # ---- 4. inputs and outputs in dataclasses -----------------------------------------------------
@@ -180,11 +108,11 @@ def _dataclass_net():
 
 
 def test_dataclass_inputs_and_outputs_match_ddp_and_fsdp2():
-    assert run_ranks(_compare, 2, _dataclass_net, "ddp", ZERO + ["fsdp2"]) == [[], []]
+    assert run_ranks(compare, 2, _dataclass_net, "ddp", ZERO + ["fsdp2"]) == [[], []]
 
 
 def test_dataclass_inputs_are_cast_like_fsdp2_in_bf16():
-    assert run_ranks(_compare, 2, _dataclass_net, "fsdp2", ZERO, {"mp": True}) == [[], []]
+    assert run_ranks(compare, 2, _dataclass_net, "fsdp2", ZERO, {"mp": True}) == [[], []]
 
 
 class Box:
@@ -231,7 +159,7 @@ def test_backward_through_a_freed_unit_raises_instead_of_reading_freed_memory():
 
 def _unfreeze_step(sys_, rank, step):
     if step == 1:
-        _inner(sys_).blocks[1].requires_grad_(True)
+        inner(sys_).blocks[1].requires_grad_(True)
     sys_.step(rank, step)
 
 
@@ -243,17 +171,17 @@ def _frozen_block():
 
 def test_a_unit_unfrozen_after_sharding_trains_like_plain_pytorch():
     opts = {"step": _unfreeze_step}
-    assert run_ranks(_compare, 2, _frozen_block, "replicated", ZERO + ["fsdp2"], opts) == [[], []]
+    assert run_ranks(compare, 2, _frozen_block, "replicated", ZERO + ["fsdp2"], opts) == [[], []]
 
 
 def test_freezing_after_sharding_stops_training_like_plain_pytorch():
     def step(sys_, rank, s):
         if s == 1:
-            _inner(sys_).blocks[0].lin.weight.requires_grad_(False)
+            inner(sys_).blocks[0].lin.weight.requires_grad_(False)
         sys_.step(rank, s)
 
     make = lambda: Net([Tanh() for _ in range(2)])  # noqa: E731
-    assert run_ranks(_compare, 2, make, "replicated", ZERO + ["fsdp2"], {"step": step}) == [[], []]
+    assert run_ranks(compare, 2, make, "replicated", ZERO + ["fsdp2"], {"step": step}) == [[], []]
 
 
 # ---- 6. a forward or backward that raises part-way --------------------------------------------
@@ -276,7 +204,7 @@ class Failing(Tanh):
 
 def _failing_step(where):
     def step(sys_, rank, s):
-        failing = _inner(sys_).blocks[1]
+        failing = inner(sys_).blocks[1]
         failing.fail = where if s == 1 else None
         try:
             sys_.step(rank, s)
@@ -291,7 +219,7 @@ def _failing_step(where):
 def test_an_iteration_after_a_raising_forward_or_backward_trains_correctly(where):
     make = lambda: Net([Tanh(), Failing(), Tanh()])  # noqa: E731
     opts = {"steps": 4, "step": _failing_step(where)}
-    assert run_ranks(_compare, 2, make, "replicated", ZERO, opts) == [[], []]
+    assert run_ranks(compare, 2, make, "replicated", ZERO, opts) == [[], []]
 
 
 # ---- 7. full_state_dict has every key of the unsharded state_dict ----------------------------
@@ -328,7 +256,7 @@ def test_full_state_dict_has_the_keys_of_the_unsharded_state_dict(stage):
 # ---- 8. two forwards before one backward, with tied weights -----------------------------------
 
 def _two_forwards(sys_, rank, step):
-    (x1, y1), (x2, y2) = _batch(sys_, rank, step, 0), _batch(sys_, rank, step, 1)
+    (x1, y1), (x2, y2) = batch_of(sys_, rank, step, 0), batch_of(sys_, rank, step, 1)
     loss = sys_.base.loss(sys_.model(x1), y1) + sys_.base.loss(sys_.model(x2), y2)
     loss.backward()
     sys_.opt.step()
@@ -336,7 +264,7 @@ def _two_forwards(sys_, rank, step):
 
 
 def test_two_forwards_before_one_backward_with_tied_weights_match_ddp():
-    assert run_ranks(_compare, 2, GPT, "ddp", ZERO + ["fsdp2"], {"step": _two_forwards}) == [[], []]
+    assert run_ranks(compare, 2, GPT, "ddp", ZERO + ["fsdp2"], {"step": _two_forwards}) == [[], []]
 
 
 # ---- 9. world size 1: no collective at all ----------------------------------------------------
@@ -428,4 +356,4 @@ def test_a_module_casting_its_own_weights_in_a_bf16_unit_raises_naming_the_fix(s
 
 def test_the_fix_a_router_as_its_own_fp32_unit_matches_fsdp2():
     make = lambda: RouterNet(router_unit=True)  # noqa: E731
-    assert run_ranks(_compare, 2, make, "fsdp2", ZERO, {"mp": True}) == [[], []]
+    assert run_ranks(compare, 2, make, "fsdp2", ZERO, {"mp": True}) == [[], []]

@@ -10,9 +10,9 @@ from zero.checkpoint import load, save
 from zero.clip import clip_grad_norm_
 from zero.comm import Ledger
 from zero.init import init_parameters
-from zero.mixed_precision import MixedPrecision
+from zero.mixed_precision import MixedPrecision, ShardedGradScaler
 from zero.shard import no_sync, shard, units_of
-from zero.state_dict import full_state_dict
+from zero.state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "Ledger",
@@ -21,8 +21,10 @@ __all__ = [
     "full_state_dict",
     "init_parameters",
     "load",
+    "load_full_state_dict",
     "no_sync",
     "save",
+    "ShardedGradScaler",
     "shard",
     "units_of",
 ]

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from zero import checkpoint_dir as ckdir
-from zero import checkpoint_read, comm, safe_pickle
+from zero import checkpoint_read, comm, outside, safe_pickle
 from zero.fsdp2_layout import chunk_of, chunks_to_flat, flat_to_chunks, mesh_of, to_dtensor
 from zero.shard import units_of
 
@@ -48,6 +48,10 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     Returns:
         The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
     """
+    units = units_of(model)
+    comm.agree(f"save a checkpoint in {path}", group=units[0].group,
+               fix="Call zero.save on every rank, with the same path: every rank writes its "
+                   "own chunks")
     state = state_dict(model, optimizer)
     version = _on_rank0("pick a version directory", ckdir.next_version, path)
     dcp.save(state, storage_writer=FileSystemWriter(os.path.join(path, version)))
@@ -67,6 +71,12 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     return state
 
 
+def _entries(model: nn.Module) -> dict:
+    """The model's state-dict entries as they are (our pieces, buffers), under every name."""
+    with outside.state_dict_access():
+        return model.state_dict(keep_vars=True)
+
+
 def _model_state(model: nn.Module, units) -> dict:
     """FSDP2's model state dict: a Shard(0) DTensor per parameter, buffers as they are."""
     chunks = {}
@@ -75,7 +85,7 @@ def _model_state(model: nn.Module, units) -> dict:
         for i, t in enumerate(flat_to_chunks(unit, unit.sharded)):
             chunks[unit, i] = to_dtensor(t, unit.layout.shapes[i], mesh)
     return {name: chunks[t._zero_unit, t._zero_index] if hasattr(t, "_zero_unit") else t.detach()
-            for name, t in model.state_dict(keep_vars=True).items()}  # tied: every name, as FSDP2
+            for name, t in _entries(model).items()}  # tied: every name, as FSDP2
 
 
 def _optim_state(model: nn.Module, optimizer, units) -> dict:
@@ -150,7 +160,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         ValueError: it was saved from another model (names the keys and shapes that differ).
     """
     units, names = units_of(model), _first_names(model)
-    entries = model.state_dict(keep_vars=True)  # the names to fill: tied ones, buffers too
+    entries = _entries(model)  # the names to fill: tied ones, buffers too
     shapes = {k: t._zero_unit.layout.shapes[t._zero_index] if hasattr(t, "_zero_unit") else t.shape
               for k, t in entries.items()}
     ckpt, meta, elementwise = _agreed(path, _checked, path, shapes, optimizer is not None)

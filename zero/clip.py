@@ -33,9 +33,14 @@ def clip_grad_norm_(
         The global norm of the gradients before clipping (a 0-d tensor), on every rank.
     """
     units = units_of(model)
-    loose = [n for n, p in model.named_parameters() if getattr(p, "_zero_unit", None) is None]
-    if loose:
-        raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root module")
+    group = units[0].group
+    with comm.raising_together(group):
+        loose = [n for n, p in model.named_parameters() if getattr(p, "_zero_unit", None) is None]
+        if loose:
+            raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
+                             "module")
+    comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=group,
+               fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm_type = float(norm_type)
     device = units[0].unsharded.device
@@ -48,11 +53,13 @@ def clip_grad_norm_(
     else:
         local = torch.zeros((), dtype=dtype, device=device)
     if norm_type == float("inf"):
-        total = local.clone()
-        comm.all_reduce(total, op="max", group=units[0].group, unit="clip", phase="step")
+        # gloo's MAX drops a NaN unless rank 0 holds it: carry "is NaN" beside the maximum
+        both = torch.stack([local, torch.isnan(local).to(local.dtype)])
+        comm.all_reduce(both, op="max", group=group, unit="clip", phase="step")
+        total = torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
     else:
         total = local**norm_type
-        comm.all_reduce(total, op="sum", group=units[0].group, unit="clip", phase="step")
+        comm.all_reduce(total, op="sum", group=group, unit="clip", phase="step")
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} is {total.item()}; "

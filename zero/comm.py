@@ -17,10 +17,25 @@ called before the output is read, as with ``torch.distributed``.
 
 A group of one rank has nobody to talk to: there the wrappers do the local equivalent (a
 copy, or nothing) and record nothing, so world size 1 issues no collective, as FSDP2.
+
+[Note: agreement] A collective pairs with whatever collective the other ranks issue next.
+Ranks that took different paths (one skipped a unit, or backward, or ``opt.step()``)
+therefore wait forever, or worse, exchange the wrong unit's data. ``agree(what)`` makes
+every rank state what it is about to do, in one small all-gather, and raises on every rank,
+naming what each was doing, if they differ. zero agrees at the points that decide what
+follows (the start of each forward, shard, clip, the state-dict and checkpoint helpers);
+with ``ZERO_CHECK=1`` in the environment, before every collective as well, so that no
+divergence goes unnoticed (at the price of one more small collective each). In check mode
+an agreement also gives up after ``ZERO_TIMEOUT`` seconds (default 60): a rank left alone in
+a collective raises instead of hanging until the process group's own timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +127,14 @@ def _done(async_op: bool):
     return _Done() if async_op else None
 
 
+def _check(op: str, buffer: torch.Tensor, group, unit: str, phase: str) -> None:
+    if checking():
+        agree(f"{op} {unit or '(no unit)'} in {phase} ({buffer.numel()} x {buffer.dtype})",
+              group=group, device=buffer.device,
+              fix="Every rank must run the same units in the same order: the same forward "
+                  "calls, the same no_sync micro-batches, backward and opt.step() on all ranks")
+
+
 def all_gather(output, input, *, group=None, unit="", phase="other", async_op=False):
     """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at [r * shard, ...).
 
@@ -121,6 +144,7 @@ def all_gather(output, input, *, group=None, unit="", phase="other", async_op=Fa
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _done(async_op)
+    _check("all_gather", output, group, unit, phase)
     _record("all_gather", output, 1.0, group, unit, phase)
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
@@ -130,6 +154,7 @@ def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other
     if _alone(group):  # the sum (or mean) of one
         output.copy_(input)
         return _done(async_op)
+    _check("reduce_scatter", input, group, unit, phase)
     _record("reduce_scatter", input, 1.0, group, unit, phase)
     return _reduce_scatter_flat(output, input, op=_OPS[op], group=group, async_op=async_op)
 
@@ -138,8 +163,19 @@ def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op
     """Any shape -> the same shape, reduced over ranks (``op`` in "sum", "avg", "max"), in place."""
     if _alone(group):
         return _done(async_op)
+    _check("all_reduce", tensor, group, unit, phase)
     _record("all_reduce", tensor, 2.0, group, unit, phase)
     return dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+
+
+def broadcast(tensor, *, src: int = 0, group=None, unit="", phase="other", async_op=False):
+    """Any shape -> the same shape on every rank: rank ``src``'s values, in place."""
+    if _alone(group):
+        return _done(async_op)
+    _check("broadcast", tensor, group, unit, phase)
+    _record("broadcast", tensor, 1.0, group, unit, phase)
+    return dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src,
+                          group=group, async_op=async_op)
 
 
 def all_gather_object(obj: Any, *, group=None) -> list[Any]:
@@ -155,3 +191,72 @@ def simulated(group=None) -> bool:
     """True for the fake process group (benchmarks/simulate.py): it moves no data and has no
     other ranks, so checks that compare ranks have nothing to compare."""
     return dist.get_backend(group) == "fake"
+
+
+# ---- agreement: diverging ranks raise instead of hanging (see the module note) -----------
+
+_SEQUENCE: dict[Any, int] = {}  # agreements so far, per group: ranks must count alike
+
+
+def checking() -> bool:
+    """Check mode: agree before every collective (``ZERO_CHECK=1``)."""
+    return os.environ.get("ZERO_CHECK", "0") not in ("", "0")
+
+
+def _fingerprint(what: str) -> int:
+    return int.from_bytes(hashlib.blake2b(what.encode(), digest_size=7).digest(), "big")
+
+
+class Disagreement(RuntimeError):
+    """The ranks were about to do different things (``agree``)."""
+
+
+def default_device(group=None) -> torch.device:
+    """Where a small tensor for ``group``'s collectives lives: the CPU for gloo, else the
+    current accelerator (NCCL moves only device memory)."""
+    accelerator = torch.accelerator.current_accelerator()
+    if dist.get_backend(group) in ("gloo", "fake") or accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement) -> None:
+    """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
+    if they do not all say the same. ``fix`` ends the message: how to make the ranks agree."""
+    if _alone(group) or simulated(group):
+        return
+    key = group if group is not None else dist.group.WORLD
+    seq = _SEQUENCE[key] = _SEQUENCE.get(key, 0) + 1
+    n, device = dist.get_world_size(group), device or default_device(group)
+    mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
+    every = torch.empty(2 * n, dtype=torch.int64, device=device)
+    _record("agree", every, 1.0, group, "", "agree")
+    # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
+    work = _all_gather_flat(every, mine, group=group, async_op=True)
+    try:
+        if checking():
+            work.wait(timeout=datetime.timedelta(seconds=float(os.environ.get("ZERO_TIMEOUT", 60))))
+        else:
+            work.wait()
+    except RuntimeError as e:
+        raise error(f"rank {dist.get_rank(group)} waited in vain for the other ranks to {what}: "
+                    f"they are somewhere else. {fix}".strip()) from e
+    rows = every.view(n, 2)
+    if (rows != rows[0]).any():
+        said = all_gather_object(f"{what} (agreement #{seq})", group=group)
+        detail = "; ".join(f"rank {r} is about to {w}" for r, w in enumerate(said))
+        raise error(f"the ranks took different paths: {detail}. {fix}".strip())
+
+
+@contextlib.contextmanager
+def raising_together(group=None, device=None):
+    """Local checks whose failure on one rank must stop every rank: inside, an exception on
+    some rank is announced as an agreement ("raise ..."); the ranks that passed their checks
+    see it at their next ``agree`` and raise too, instead of entering a collective that rank
+    will never join."""
+    try:
+        yield
+    except Exception as e:
+        with contextlib.suppress(Disagreement):  # the others differ, of course: say ours
+            agree(f"raise {type(e).__name__}: {e}", group=group, device=device)
+        raise

@@ -24,6 +24,18 @@ import torch
 from zero import comm
 
 
+def divide_factors(dtype: torch.dtype, n: int) -> tuple[float | None, float | None]:
+    """How the mean over n ranks is taken. fp32/bf16: the collective's own average (None).
+    Other dtypes (fp16) could overflow in the sum: FSDP2 divides by a power of two near
+    sqrt(n) before summing and by the rest after; so do we, to match it bit for bit."""
+    if dtype in (torch.float32, torch.bfloat16) or n == 1:
+        return None, None
+    pre = 1
+    while n % pre == 0 and n / pre > pre:
+        pre *= 2
+    return pre, n / pre
+
+
 class GradientMixin:
     """State: ``_unsynced`` (micro-batches kept in reduce_dtype), ``_reduction`` (a
     reduce-scatter in flight), ``_grad_shard`` (reduced, not yet handed out), ``_used`` (which
@@ -34,6 +46,11 @@ class GradientMixin:
         self._reduction: Any = None  # (work, full gradient kept alive, shard)
         self._grad_shard: torch.Tensor | None = None
         self._used = [False] * len(self.params)
+        self._zero_markers: dict = {}  # param index -> the zero .grad a no_sync backward left
+        self._seen_grads: list = []  # (param, its .grad, version) when it left them
+
+    def has_unsynced_gradient(self) -> bool:
+        return self.unsharded.grad is not None or self._unsynced is not None
 
     def _mark_used(self, i: int, grad: torch.Tensor) -> None:
         self._used[i] = True
@@ -63,20 +80,27 @@ class GradientMixin:
             return
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        work = comm.reduce_scatter(shard, grad, op="avg", group=self.group, unit=self.name,
-                                   phase="backward", async_op=True)
-        self._reduction = (work, grad, shard)  # grad stays alive until the collective is done
+        pre, post = divide_factors(grad.dtype, self.world_size)
+        if pre is not None:
+            grad.div_(pre)  # fp16: half of the mean's division before the sum, half after
+        work = comm.reduce_scatter(shard, grad, op="avg" if pre is None else "sum",
+                                   group=self.group, unit=self.name, phase="backward",
+                                   async_op=True)
+        self._reduction = (work, grad, shard, post)  # grad lives until the collective is done
 
     def wait_reduce(self) -> None:
         if self._reduction is None:
             return
-        work, _, shard = self._reduction
+        work, _, shard, post = self._reduction
         work.wait()
         self._reduction = None  # the full gradient is freed here
+        if post is not None and post != 1:
+            shard.div_(post)
         self._grad_shard = shard  # one reduction per backward; assign_grads hands it out
 
     def assign_grads(self, used: list[bool]) -> None:
         """Give each used parameter its piece of the reduced gradient (accumulating)."""
+        self._unmark()
         shard, self._grad_shard = self._grad_shard, None
         self._used = [False] * len(self.params)
         if shard is None:
@@ -91,6 +115,33 @@ class GradientMixin:
             else:
                 p.grad += g
 
+    # [Note: zero_grad under no_sync] DDP keeps a no_sync micro-batch's gradient in p.grad,
+    # so opt.zero_grad() discards it. Ours waits in the unit's full flat gradient, which no
+    # optimizer sees. So after such a backward every parameter without a gradient gets a zero
+    # marker as its .grad (nothing is reduced yet), and the next forward discards the unsynced
+    # gradient if zero_grad() (or anyone) replaced or zeroed any .grad since.
+
+    def mark_unsynced(self) -> None:
+        if not self.has_unsynced_gradient():
+            return
+        zeros = torch.zeros_like(self.sharded)
+        for i, p in enumerate(self.params):
+            if p.requires_grad and p.grad is None:
+                p.grad = self._piece(zeros, i)
+                self._zero_markers[i] = p.grad
+        self._seen_grads = [(p, p.grad, p.grad._version) for p in self.params
+                            if p.grad is not None]
+
+    def discard_gradients_if_zeroed(self) -> None:
+        if any(p.grad is not g or g._version != v for p, g, v in self._seen_grads):
+            self.discard_gradients()
+
+    def _unmark(self) -> None:
+        for i, marker in self._zero_markers.items():
+            if self.params[i].grad is marker:
+                self.params[i].grad = None  # a marker is not a gradient
+        self._zero_markers, self._seen_grads = {}, []
+
     def discard_gradients(self) -> None:
         """Forget every gradient not yet handed out (a failed iteration)."""
         if self._reduction is not None:
@@ -98,3 +149,4 @@ class GradientMixin:
         self.unsharded.grad = None
         self._unsynced = self._reduction = self._grad_shard = None
         self._used = [False] * len(self.params)
+        self._unmark()

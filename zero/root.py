@@ -40,6 +40,7 @@ class Root:
         self.last_order: list[Unit] = []  # the same for the previous iteration
         self._callback_queued = False
         self._reducing: Unit | None = None  # whose reduce-scatter is in flight
+        self.backwards = 0  # backward passes since the root's last forward began
 
     @property
     def units(self) -> list["Unit"]:
@@ -62,7 +63,8 @@ class Root:
     # ---- the start of an iteration ---------------------------------------------------
 
     def begin_forward(self) -> None:
-        """The root's forward starts: make sure no unit is left mid-iteration."""
+        """The root's forward starts: reset what a failure left behind, agree with the other
+        ranks on what happened since the last forward, refresh the written shards."""
         from zero.unit import State
 
         stuck = {u.state for u in self.units} - {State.IDLE}
@@ -74,6 +76,35 @@ class Root:
             self.reset(discard_gradients=True)
         elif stuck:  # the previous forward raised: its gradients were never computed
             self.reset(discard_gradients=False)
+        written = [u for u in self.units if u.shard_written()]
+        comm.agree(self._since_last_forward(written), group=self.unit.group,
+                   device=self.unit.sharded.device,
+                   fix="Every rank must run the same forward and backward passes, under the same "
+                       "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
+                       "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
+                       "value every rank shares (a norm from zero.clip_grad_norm_)")
+        self.backwards = 0
+        for u in written:
+            u.shard_changed()  # stages 1/2 gather the new parameters (async); stage 3 frees
+        if self.unit.broadcast_buffers:
+            self._broadcast_buffers()
+
+    def _since_last_forward(self, written: list["Unit"]) -> str:
+        names = lambda units: ", ".join(u.name for u in units) or "none"  # noqa: E731
+        return (f"start a forward after {self.backwards} backward(s) since the last one; shards "
+                f"written (opt.step) in units: {names(written)}; units in no_sync: "
+                f"{names([u for u in self.units if not u.requires_grad_sync])}; the last "
+                f"forward ran {len(self.order or self.last_order)} unit(s)")
+
+    def _broadcast_buffers(self) -> None:
+        """DDP's ``broadcast_buffers``: rank 0's buffers everywhere, one collective per dtype."""
+        buffers = [b for b in self.unit.module.buffers() if b.numel()]
+        for dtype in sorted({b.dtype for b in buffers}, key=str):
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.reshape(-1) for b in same])
+            comm.broadcast(flat, src=0, group=self.unit.group, unit="root", phase="forward")
+            for b, v in zip(same, flat.split([b.numel() for b in same])):
+                b.copy_(v.view_as(b))
 
     def reset(self, discard_gradients: bool) -> None:
         self.guard.reset()
@@ -143,5 +174,8 @@ class Root:
             u.assign_grads(used[offset : offset + len(u.params)])
             offset += len(u.params)
         for u in self.units:
+            if not u.requires_grad_sync:
+                u.mark_unsynced()  # so that zero_grad() can discard it, as with DDP
             u.end_iteration()
         self._callback_queued = False
+        self.backwards += 1

@@ -7,22 +7,19 @@ module's parameters that no unit below it owns yet::
         zero.shard(block, stage=3)
     zero.shard(model, stage=3)   # the root: embeddings, final norm, head
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding
+
+Every check runs on every rank before the first collective, and the ranks agree on the
+outcome (``comm.agreeing``): a mistake on one rank raises on all of them, none hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
-from zero import comm
+from zero import comm, outside
 from zero.mixed_precision import MixedPrecision
 from zero.stage import STAGES
 from zero.unit import Unit
@@ -36,6 +33,7 @@ def shard(
     mp_policy: MixedPrecision | None = None,
     reshard_after_forward: bool | None = None,
     device: torch.device | str | None = None,
+    broadcast_buffers: bool = False,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -52,11 +50,44 @@ def shard(
         device: where the shards live when ``module`` is on the meta device (default: the
             current accelerator for an accelerator backend, else the CPU); each rank then
             allocates only its own shards, and ``zero.init_parameters`` fills them.
+        broadcast_buffers: the root only. Like DDP, copy rank 0's buffers (BatchNorm's
+            running statistics) to every rank before each forward. False (FSDP2's way):
+            each rank keeps its own buffers, which drift apart if forward updates them.
 
     Returns:
         ``module``, whose parameters are now this rank's pieces (same names). Build the
         optimizer after this call.
     """
+    agreed = ("the same model (same structure, shapes, dtypes, requires_grad) and call "
+              "zero.shard in the same order, with the same arguments, on every rank")
+    with comm.raising_together(group):
+        device = _device(module, group, device)
+        params, locations, children = _check(module, stage, mp_policy, reshard_after_forward)
+    desc = [type(module).__name__, stage, str(mp_policy), reshard_after_forward,
+            broadcast_buffers]
+    desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in _names(module, params)]
+    comm.agree(f"shard {desc}", group=group, error=ValueError,
+               fix=f"Ranks shard different modules: build {agreed}")
+
+    unit = Unit(module, params, locations, STAGES[stage], group, mp_policy,
+                reshard_after_forward, device)
+    unit.broadcast_buffers = broadcast_buffers
+    for child in children:
+        if child.parent is None:
+            child.parent = unit
+    outside.replace(params, unit, _names(module, params))
+    unit.use_sharded_params()
+    module._zero_unit = unit
+    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward)
+    outside.install([module] + [mod for locs in locations for mod, _ in locs])
+    if unit.materialized:  # stages 1/2: every rank starts from the same full parameters
+        unit.shard_changed(phase="init")
+    return module
+
+
+def _check(module: nn.Module, stage: int, mp_policy, reshard_after_forward):
+    """The local checks; returns the unit's parameters, their uses, and the units below."""
     if stage not in STAGES:
         raise ValueError(f"stage must be 1, 2 or 3 (ZeRO's three stages), got {stage!r}")
     if reshard_after_forward is not None and stage != 3:
@@ -81,22 +112,7 @@ def shard(
             f"one unit needs one dtype, but {type(module).__name__}'s parameters have "
             f"{names}; cast the module (module.to(dtype)) or shard the differing sub-modules "
             "as their own units first")
-
-    device = _device(module, group, device)
-    unit = Unit(module, params, locations, STAGES[stage], group, mp_policy,
-                reshard_after_forward, device)
-    _check_same_on_all_ranks(unit, module, params)
-    for child in children:
-        if child.parent is None:
-            child.parent = unit
-    for orig in params:
-        orig._zero_replaced = unit  # whoever still holds it (an optimizer) is out of date
-    unit.use_sharded_params()
-    module._zero_unit = unit
-    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
-    _install_optimizer_hooks()
-    return module
+    return params, locations, children
 
 
 def _device(module: nn.Module, group, device) -> torch.device:
@@ -106,12 +122,7 @@ def _device(module: nn.Module, group, device) -> torch.device:
             raise ValueError(f"device={device} but the module is on {found.device}; move the "
                              "module first, or build it on the meta device")
         return found.device
-    if device is not None:
-        return torch.device(device)
-    accelerator = torch.accelerator.current_accelerator()
-    if dist.get_backend(group) in ("gloo", "fake") or accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device(device) if device is not None else comm.default_device(group)
 
 
 def _own_parameters(module: nn.Module, children: list[Unit]):
@@ -150,63 +161,6 @@ def _names(module: nn.Module, params):
     return [(n, p) for n, p in module.named_parameters() if id(p) in ids]
 
 
-def _check_same_on_all_ranks(unit: Unit, module: nn.Module, params) -> None:
-    """One small all-gather: every rank must be sharding the same structure, or none trains."""
-    if comm.simulated(unit.group):  # no other ranks to disagree with
-        return
-    desc = [type(module).__name__, unit.stage.number, str(unit.param_dtype)]
-    desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in _names(module, params)]
-    digest = int.from_bytes(hashlib.blake2b(repr(desc).encode(), digest_size=7).digest(), "big")
-    mine = torch.tensor([digest], dtype=torch.int64, device=unit.unsharded.device)
-    every = torch.empty(unit.world_size, dtype=torch.int64, device=mine.device)
-    comm.all_gather(every, mine, group=unit.group, unit=unit.name, phase="init")
-    if (every != mine).any():
-        descs = comm.all_gather_object(desc, group=unit.group)
-        differ = [r for r, d in enumerate(descs) if d != descs[0]]
-        raise ValueError(
-            f"ranks shard different modules: rank 0 has {descs[0]}, but ranks {differ} have "
-            f"{[descs[r] for r in differ]}. Build the same model (same structure, shapes, "
-            "dtypes, requires_grad) and call zero.shard in the same order on every rank")
-
-
-# ---- the optimizer: one global pair of hooks for all optimizers ------------------------------
-
-_hooks_installed = False
-
-
-def _install_optimizer_hooks() -> None:
-    global _hooks_installed
-    if not _hooks_installed:
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
-        _hooks_installed = True
-
-
-def _our_units(optimizer):
-    units = {}  # ordered, deduplicated: the same order on every rank
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, "_zero_replaced", False):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds a parameter that zero.shard replaced by "
-                    "its shard: the optimizer was built before sharding. Build it after "
-                    "zero.shard, from model.parameters()")
-            unit = getattr(p, "_zero_unit", None)
-            if unit is not None:
-                units[unit] = None
-    return list(units)
-
-
-def _before_step(optimizer, args, kwargs) -> None:
-    for unit in _our_units(optimizer):
-        unit.wait_unshard()  # an in-place gather may still read the shard the step writes
-
-
-def _after_step(optimizer, args, kwargs) -> None:
-    for unit in _our_units(optimizer):
-        unit.shard_changed()
-
-
 # ---- model-level helpers -----------------------------------------------------------------------
 
 
@@ -223,7 +177,9 @@ def no_sync(model: nn.Module):
     """Accumulate gradients over micro-batches without communication (like DDP's ``no_sync``).
 
     Inside, backward leaves each unit's full flat gradient in place (full-size, as in DDP);
-    the first backward outside reduces everything accumulated.
+    the first backward outside reduces everything accumulated. As with DDP,
+    ``optimizer.zero_grad()`` (or ``model.zero_grad()``) in between discards what was
+    accumulated.
     """
     units = units_of(model)
     before = [u.requires_grad_sync for u in units]

@@ -1,10 +1,12 @@
-"""``zero.full_state_dict``: the model's state, whole and in the original shapes.
+"""The model's state whole, in and out: ``zero.full_state_dict`` and ``zero.load_full_state_dict``.
 
-Each unit's shard is all-gathered into a temporary flat buffer, whose views are put where
-the module uses its parameters; then torch's own ``nn.Module.state_dict`` runs, so the keys
-are exactly the unsharded model's: tied parameters under every name that uses them,
-persistent buffers, extra state, and whatever the model's state-dict hooks add (as FSDP2's
-``get_model_state_dict(..., full_state_dict=True)``). Collective: call on every rank.
+Both put full-size tensors where the modules use their parameters and let torch's own
+``nn.Module.state_dict`` / ``load_state_dict`` do the rest, so the keys are exactly the
+unsharded model's: tied parameters under every name that uses them, persistent buffers,
+extra state, whatever the model's state-dict hooks add (as FSDP2's
+``get_model_state_dict(..., full_state_dict=True)``). Out: each unit's shard is all-gathered
+(collective: call on every rank). In: each rank copies its own pieces out of the full tensors
+(no communication), and the full parameters are refreshed from the new shards.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zero import comm
+from zero import comm, outside
 from zero.shard import units_of
 
 
@@ -20,13 +22,40 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
+    comm.agree("gather a full state dict", group=units[0].group,
+               fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
+                   "you need on rank 0")
     try:
         for unit in units:
             flat = unit.sharded.new_empty(unit.layout.padded_numel)
             # (S,) per rank -> (N*S,): the master weights, whole
             comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other")
             unit.use(unit.layout.views(flat))
-        return nn.Module.state_dict(model)
+        with outside.state_dict_access():
+            return model.state_dict()
     finally:
         for unit in units:
             unit.use_sharded_params()
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
+    """Load a full (unsharded) state dict, such as ``full_state_dict`` returns, on every rank.
+
+    Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys).
+    """
+    units = units_of(model)
+    fulls = {}
+    try:
+        for unit in units:
+            fulls[unit] = unit.sharded.new_zeros(unit.layout.padded_numel)
+            unit.use(unit.layout.views(fulls[unit]))  # torch copies each tensor in here
+        with outside.state_dict_access():
+            result = model.load_state_dict(state_dict, strict=strict)
+    finally:
+        for unit in units:
+            unit.use_sharded_params()
+    for unit, flat in fulls.items():
+        unit.wait_unshard()  # a stage 1/2 gather may still read the shard
+        with torch.no_grad():
+            unit.sharded.copy_(flat[unit._slot])  # our slice; the next forward gathers the rest
+    return result

@@ -97,7 +97,8 @@ class Unit(GradientMixin):
             if self._shard_in_place:
                 # Stages 1/2 without a cast: the shard lives inside the full buffer, so the
                 # all-gather after each step happens in place and params cost Ψ, not Ψ + Ψ/N.
-                self.sharded = self._unsharded_data[self._slot]
+                # (.data: its own version counter, which only writes to the shard move.)
+                self.sharded = self._unsharded_data[self._slot].data
             else:
                 self.sharded = torch.empty(self.layout.shard_numel, dtype=dtype, device=device)
             self.sharded.zero_()  # the padding stays zero
@@ -112,11 +113,11 @@ class Unit(GradientMixin):
         self._post_backward_hook = None
         self._pending: Any = None  # an all-gather in flight
         self.is_unsharded = stage.keep_params
+        self._seen_version = self.sharded._version  # what the full parameters were made from
+        self.broadcast_buffers = False
         self.init_gradients()
         if not stage.keep_params:
             self._free_unsharded()
-        elif self.materialized:
-            self._gather(phase="init")  # every rank starts from the same full parameters
 
     def _piece(self, flat_shard: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's piece of a shard-sized buffer (empty if this rank holds none of it)."""
@@ -131,6 +132,7 @@ class Unit(GradientMixin):
     # ---- parameters: unshard (all-gather) and reshard (free) -------------------------------
 
     def _gather(self, phase: str, async_op: bool = False) -> None:
+        self._seen_version = self.sharded._version  # the full parameters will show this shard
         if self.layout.padded_numel == 0:
             return
         slot = self._unsharded_data[self._slot]
@@ -163,6 +165,12 @@ class Unit(GradientMixin):
             self._pending.wait()
             self._pending = None
 
+    def shard_written(self) -> bool:
+        """Whether the shard changed since the full parameters were last gathered from it:
+        ``opt.step()``, an in-place edit (``p.mul_(0.5)``), a checkpoint load. Its version
+        counter tells, whoever wrote it (but not a write through ``p.data``)."""
+        return self.sharded._version != self._seen_version
+
     def reshard(self) -> None:
         """Stage 3: give the full parameters' memory back; stages 1/2 keep them."""
         if self.stage.keep_params or not self.is_unsharded:
@@ -175,9 +183,10 @@ class Unit(GradientMixin):
         self.is_unsharded = False
 
     def shard_changed(self, phase: str = "step") -> None:
-        """The shard now holds new values: refresh (stages 1/2, async until the next forward)
-        or drop (stage 3) the full parameters. Whoever writes ``sharded`` must first call
-        ``wait_unshard()`` (a stage 1/2 gather may still be reading it), then this."""
+        """The shard holds new values: refresh (stages 1/2, async until the unit's forward)
+        or drop (stage 3) the full parameters. The root's next forward calls this for every
+        unit whose shard was written (``shard_written``); whoever writes ``sharded`` must
+        first call ``wait_unshard()`` (a stage 1/2 gather may still be reading it)."""
         self.materialized = True
         if self.stage.keep_params:
             self.wait_unshard()
@@ -234,6 +243,29 @@ class Unit(GradientMixin):
             self._check_views_untouched()
         self.use(self.params)
 
+    def _check_params_untouched(self) -> None:
+        """``model.half()`` / ``.double()`` / ``.to(device)`` after sharding swaps each piece's
+        data for a converted copy that the unit no longer owns: say so before computing."""
+        key = self.sharded.untyped_storage()._cdata
+        for p, locs in zip(self.params, self.locations):
+            mod, attr = locs[0]
+            if (mod._parameters.get(attr) is not p or p.dtype != self.sharded.dtype
+                    or p.device != self.sharded.device or p.untyped_storage()._cdata != key):
+                raise RuntimeError(
+                    f"the parameters of unit {self.name} were converted after zero.shard "
+                    f"(now {p.dtype} on {p.device}, sharded as {self.sharded.dtype} on "
+                    f"{self.sharded.device}): model.to(), .half(), .double() or .cuda() after "
+                    "sharding detach them from their shard. Convert the model before "
+                    "zero.shard, or compute in another dtype with "
+                    "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"copy.deepcopy of a model sharded by zero (unit {self.name}) is not supported: "
+            "its parameters are views into shards that a copy would not share. Copy the model "
+            "before sharding it and shard the copy the same way (an EMA model, for example), "
+            "or copy zero.full_state_dict(model)")
+
     def _check_views_untouched(self) -> None:
         """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
         computed on something other than our parameters: its gradient is lost. Say so."""
@@ -262,7 +294,11 @@ class Unit(GradientMixin):
             self.state = State.PRE_BACKWARD
         else:
             if self.parent is None:
-                self.root.begin_forward()  # resets what a failed iteration left behind
+                self.root.begin_forward()  # reset what a failure left behind, agree, refresh
+            self._check_params_untouched()
+            if self.stage.keep_params and self._pending is None and self.shard_written():
+                self.shard_changed()  # called on its own, not from the root's forward
+            self.discard_gradients_if_zeroed()
             self.state = State.FORWARD
             self.unshard(phase="forward", async_op=True)
             self.root.forward_started(self)  # records the order; prefetches the next unit

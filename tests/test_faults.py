@@ -1,0 +1,281 @@
+"""The fault matrix: habits from DDP, FSDP2 and DeepSpeed, misuse and rank divergence.
+
+Every case runs in fresh ranks with a timeout and ends one of two ways: it works as a user of
+DDP or FSDP2 expects (compared with a reference), or every rank raises, within 10 s, an
+error that names the fix. None may hang or quietly diverge. The tests run in check mode
+(tests/conftest.py): every collective is preceded by an agreement (zero/comm.py).
+"""
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero
+from compare import DIM, ZERO, Net, System, Tanh, batch_of, compare, make_optimizer
+from harness import run_ranks
+
+
+def _model(stage, blocks=3, **kw):
+    torch.manual_seed(0)
+    model = Net([Tanh() for _ in range(blocks)])
+    for unit in model.units():
+        zero.shard(unit, stage=stage, **kw)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, rank, s, backward=True, step=True):
+    x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
+    loss = model.loss(model(x), y)
+    if backward:
+        loss.backward()
+    if step:
+        opt.step()
+        opt.zero_grad()
+
+
+# ---- cases that must raise on every rank ------------------------------------------------------
+
+class Skipping(Net):
+    """Runs ``blocks[1]`` ``times[rank]`` times (1 is the normal path)."""
+
+    times = (1, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            for _ in range(self.times[dist.get_rank()] if i == 1 else 1):
+                x = block(x)
+        return self.out(x)
+
+
+def _unit_runs(rank, times):
+    torch.manual_seed(0)
+    model = Skipping([Tanh() for _ in range(3)])
+    for unit in model.units():
+        zero.shard(unit, stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, rank, 0)
+    model.times = times
+    _step(model, opt, rank, 1)
+
+
+def _no_sync_counts(rank, stage):
+    model, opt = _model(stage)
+    for micro in range(2 if rank == 0 else 1):  # rank 0 accumulates one micro-batch more
+        with zero.no_sync(model):
+            _step(model, opt, rank, micro, step=False)
+    _step(model, opt, rank, 9)
+    _step(model, opt, rank, 10)
+
+
+def _backward_on_one_rank(rank, stage):
+    model, opt = _model(stage)
+    _step(model, opt, rank, 0, backward=rank == 0)
+    _step(model, opt, rank, 1)
+
+
+def _step_on_one_rank(rank, stage):
+    """A GradScaler that found inf on its own shard, or an `if finite:` on a local value."""
+    model, opt = _model(stage)
+    _step(model, opt, rank, 0, step=rank == 0)
+    _step(model, opt, rank, 1)
+
+
+def _helper_on_rank0_only(rank, helper, tmp):
+    """The DDP habit: `if rank == 0: save(...)`; the other rank trains on."""
+    model, opt = _model(2)
+    _step(model, opt, rank, 0)
+    if rank == 0:
+        {"full_state_dict": lambda: zero.full_state_dict(model),
+         "save": lambda: zero.save(tmp, model, opt),
+         "clip": lambda: zero.clip_grad_norm_(model, 1.0)}[helper]()
+    _step(model, opt, rank, 1)
+
+
+def _state_dict(rank, which):
+    model, _ = _model(1)
+    if which == "state_dict":
+        model.state_dict()
+    else:
+        model.load_state_dict({k: v.clone() for k, v in Net([Tanh()] * 3).state_dict().items()})
+
+
+def _nan_on_one_shard(rank):
+    model, opt = _model(2)
+    _step(model, opt, rank, 0, step=False)
+    if rank == 1:
+        next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad[0] = torch.nan
+    zero.clip_grad_norm_(model, 1.0, norm_type=float("inf"), error_if_nonfinite=True)
+
+
+def _shared_with_outside(rank):
+    torch.manual_seed(0)
+    model = Net([Tanh() for _ in range(2)])
+    outside = nn.Linear(DIM, DIM)
+    outside.weight = model.blocks[0].lin.weight  # a module outside the model shares it
+    for unit in model.units():
+        zero.shard(unit, stage=2)
+    x, y = model.batch(4, torch.Generator().manual_seed(rank))
+    (model.loss(model(x), y) + outside(x).sum()).backward()
+
+
+def _converted(rank, how):
+    model, opt = _model(3)
+    {"double": model.double, "half": model.half}[how]()
+    _step(model, opt, rank, 0)
+
+
+def _deepcopy(rank):
+    model, _ = _model(1)
+    copy.deepcopy(model)  # an EMA copy, the usual way
+
+
+def _different_models(rank, stage):
+    model = nn.Sequential(nn.Linear(4, 8 if rank == 0 else 6), nn.Linear(8 if rank == 0 else 6, 2))
+    zero.shard(model, stage=stage)
+
+
+DIVERGE = "the ranks took different paths"
+ERRORS = {
+    "stage 3: a rank skips a unit": (lambda r, t: _unit_runs(r, (1, 0)), DIVERGE),
+    "stage 3: a rank runs a unit twice": (lambda r, t: _unit_runs(r, (1, 2)), DIVERGE),
+    **{f"stage {s}: ranks run different numbers of no_sync micro-batches":
+       (lambda r, t, s=s: _no_sync_counts(r, s), DIVERGE) for s in (1, 2, 3)},
+    **{f"stage {s}: backward on one rank only": (lambda r, t, s=s: _backward_on_one_rank(r, s),
+                                                 DIVERGE) for s in (1, 2, 3)},
+    **{f"stage {s}: opt.step() on one rank only": (lambda r, t, s=s: _step_on_one_rank(r, s),
+                                                   "ShardedGradScaler") for s in (1, 2, 3)},
+    **{f"{h} on rank 0 only": (lambda r, t, h=h: _helper_on_rank0_only(r, h, t), DIVERGE)
+       for h in ("full_state_dict", "save", "clip")},
+    "model.state_dict() of a sharded model": (lambda r, t: _state_dict(r, "state_dict"),
+                                              "zero.full_state_dict(model)"),
+    "model.load_state_dict() of a full state": (lambda r, t: _state_dict(r, "load"),
+                                                "zero.load_full_state_dict"),
+    "inf-norm clipping, NaN on rank 1's shard": (lambda r, t: _nan_on_one_shard(r),
+                                                 "total norm of order inf is nan"),
+    "a parameter shared with a module outside": (lambda r, t: _shared_with_outside(r),
+                                                 "Shard a module that contains every user"),
+    "model.double() after sharding": (lambda r, t: _converted(r, "double"),
+                                      "Convert the model before zero.shard"),
+    "model.half() after sharding": (lambda r, t: _converted(r, "half"),
+                                    "Convert the model before zero.shard"),
+    "copy.deepcopy of a sharded model": (lambda r, t: _deepcopy(r), "Copy the model before"),
+    **{f"stage {s}: ranks with different models": (lambda r, t, s=s: _different_models(r, s),
+                                                   "Ranks shard different modules")
+       for s in (1, 2)},
+}
+
+
+def _raise_case(rank, n, name, tmp):
+    start = time.monotonic()
+    try:
+        ERRORS[name][0](rank, tmp)
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, "nothing raised", time.monotonic() - start
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_every_rank_raises_an_error_naming_the_fix(name, tmp_path):
+    os.environ["ZERO_TIMEOUT"] = "8"  # a rank left alone gives up in time (check mode)
+    try:
+        results = run_ranks(_raise_case, 2, name, str(tmp_path / "ckpt"), timeout=30)
+    finally:
+        os.environ["ZERO_TIMEOUT"] = "30"
+    for rank, (kind, message, seconds) in enumerate(results):
+        assert kind is not None, f"rank {rank}: {message}"
+        assert ERRORS[name][1] in message or DIVERGE in message, f"rank {rank}: {message}"
+        assert seconds < 10, f"rank {rank} raised after {seconds:.1f} s"
+
+
+# ---- cases that must work as the references do -------------------------------------------------
+
+def _edit_in_place(sys_, rank, s):
+    if s == 1:
+        with torch.no_grad():
+            for p in sys_.model.parameters():
+                p.mul_(0.5)  # a manual update, without torch.optim
+    sys_.step(rank, s)
+
+
+def _zero_grad_after_no_sync(sys_, rank, s):
+    x, y = batch_of(sys_, rank, s, 0)
+    with sys_.no_sync():
+        sys_.base.loss(sys_.model(x), y).backward()
+    sys_.opt.zero_grad()  # DDP: this micro-batch is gone
+    x, y = batch_of(sys_, rank, s, 1)
+    sys_.base.loss(sys_.model(x), y).backward()
+    sys_.opt.step()
+    sys_.opt.zero_grad()
+
+
+def _two_optimizers(rank, n, stage):
+    torch.manual_seed(0)
+    model, _ = _model(stage)
+    params = list(model.blocks[0].parameters())  # one unit, two optimizers
+    opts = [torch.optim.SGD(params[:1], lr=0.1), torch.optim.SGD(params[1:], lr=0.1)]
+    _step(model, opts[0], rank, 0, step=False)
+    for opt in opts:
+        opt.step()
+    with zero.Ledger() as ledger:
+        model(model.batch(2, torch.Generator())[0])
+    return [r.unit for r in ledger.records if r.op == "all_gather" and r.phase == "step"]
+
+
+def _batchnorm(rank, n):
+    torch.manual_seed(0)
+    base = BatchNormNet([Tanh(), Tanh()])
+    ddp = System("ddp", base, "adamw")
+    ours = copy.deepcopy(base)
+    for unit in ours.units():
+        zero.shard(unit, stage=2, broadcast_buffers=unit is ours)
+    opt = make_optimizer("adamw", list(ours.named_parameters()))
+    failures = []
+    for s in range(3):
+        ddp.step(rank, s)
+        x, y = base.batch(4, torch.Generator().manual_seed(1000 * s + 10 * rank))
+        base.loss(ours(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        theirs = ddp.model.module.state_dict()
+        mine = zero.full_state_dict(ours)
+        failures += [f"step {s}: {k}" for k in theirs if not torch.equal(theirs[k], mine[k])]
+    return failures
+
+
+class BatchNormNet(Net):
+    def __init__(self, blocks):
+        super().__init__(blocks)
+        self.norm = nn.BatchNorm1d(DIM)
+
+    def forward(self, x):
+        return super().forward(self.norm(x))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_edited_in_place_reaches_the_full_parameters(stage):
+    make = lambda: Net([Tanh() for _ in range(2)])  # noqa: E731
+    opts = {"step": _edit_in_place}
+    assert run_ranks(compare, 2, make, "replicated", [f"zero{stage}"], opts) == [[], []]
+
+
+def test_zero_grad_after_a_no_sync_micro_batch_discards_it_like_ddp():
+    # (FSDP2 keeps the unsynced micro-batch: it lives in gradients zero_grad does not see.)
+    make = lambda: Net([Tanh() for _ in range(2)])  # noqa: E731
+    opts = {"step": _zero_grad_after_no_sync}
+    assert run_ranks(compare, 2, make, "ddp", ZERO, opts) == [[], []]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_optimizers_over_one_unit_gather_it_once(stage):
+    assert run_ranks(_two_optimizers, 2, stage)[0] == ["blocks.0"]
+
+
+def test_broadcast_buffers_trains_batchnorm_like_ddp():
+    assert run_ranks(_batchnorm, 2) == [[], []]
