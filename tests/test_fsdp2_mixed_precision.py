@@ -113,21 +113,15 @@ def _training(rank, n, configs):
     return out
 
 
-FP16_REDUCTION = (
-    "issue 11 new: an fp16 reduce-scatter sums first and divides after (AVG), so the sum "
-    "overflows where FSDP2, which divides by its pre-factor before summing, does not; and at "
-    "world size 2 the fp16 gradients differ from FSDP2's by ~4e-6")
-
-
 def test_compute_dtype_bf16():
     # Ports TestFullyShardMixedPrecisionTraining.test_compute_dtype: bf16 compute, reduced in
     # bf16, reshard_after_forward True and False.
     assert run_ranks(_training, 2, [((BF16, None), True), ((BF16, None), False)]) == [[], []]
 
 
-@pytest.mark.xfail(strict=True, reason=FP16_REDUCTION)
 def test_compute_dtype_fp16():
-    # Ports test_compute_dtype with param_dtype fp16 (reduced in fp16).
+    # Ports test_compute_dtype with param_dtype fp16, reduced in fp16 with FSDP2's divide
+    # factors (a bug this suite found, fixed in 13dab96: we summed first, then divided).
     assert run_ranks(_training, 2, [((FP16, None), False)]) == [[], []]
 
 
@@ -157,7 +151,6 @@ def test_fsdp2_fp16_reduction_does_not_overflow():
     assert fp16_mean()["fsdp2"] == 40000.0
 
 
-@pytest.mark.xfail(strict=True, reason=FP16_REDUCTION)
 @pytest.mark.parametrize("kind", ZERO)
 def test_fp16_reduction_does_not_overflow(kind):
     assert fp16_mean()[kind] == 40000.0

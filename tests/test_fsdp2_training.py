@@ -464,8 +464,8 @@ def test_gradient_accumulation_all_units():
     out, counts = run_ranks(_gradient_accumulation, 2, "all")[0]
     assert out == []
     for c, raf in zip(counts, (True, False)):
-        assert [rs for _, rs in c["zero1"]] == [rs for _, rs in c["fsdp2"]] == [4, 4]
-        assert c["zero2"] == [(0, 4), (0, 4)] and c["zero1"] == c["zero2"]
+        for kind in ("zero1", "zero2"):  # (stages 1 and 2 gather once a step, not here)
+            assert [rs for _, rs in c[kind]] == [rs for _, rs in c["fsdp2"]] == [4, 4]
         assert c["zero3"] == c["fsdp2"] == [(24 if raf else 12, 4)] * 2
 
 
@@ -475,8 +475,9 @@ def test_gradient_accumulation_some_units():
     # (issue 11 case 2, fixed in b7b0865).
     out, counts = run_ranks(_gradient_accumulation, 2, "some_mlps")[0]
     assert out == []
-    for c, raf in zip(counts, (True, False)):
-        assert [rs for _, rs in c["zero1"]] == [rs for _, rs in c["fsdp2"]] == [8, 8]
+    for c in counts:
+        for kind in ("zero1", "zero2"):
+            assert [rs for _, rs in c[kind]] == [rs for _, rs in c["fsdp2"]] == [8, 8]
         assert c["zero3"] == c["fsdp2"]
 
 
