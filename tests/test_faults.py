@@ -168,6 +168,8 @@ ERRORS = {
     **{f"stage {s}: ranks with different models": (lambda r, t, s=s: _different_models(r, s),
                                                    "Ranks shard different modules")
        for s in (1, 2)},
+    "fp16: torch's plain GradScaler finds inf on one rank's shard":
+        (lambda r, t: _scaled_training(r, 2, "plain"), "zero.ShardedGradScaler"),
 }
 
 
@@ -279,3 +281,52 @@ def test_two_optimizers_over_one_unit_gather_it_once(stage):
 
 def test_broadcast_buffers_trains_batchnorm_like_ddp():
     assert run_ranks(_batchnorm, 2) == [[], []]
+
+
+# ---- fp16 with a gradient scaler: found_inf must be agreed ----------------------------------
+
+def _scaled_training(rank, n, scaler_kind):
+    """fp16 compute, fp32 reduction; at step 1 rank 1 alone finds an inf in its shard. Returns
+    (what differs from FSDP2 + its ShardedGradScaler, the scales) for ours + ``scaler_kind``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False))
+    fsdp, ours = copy.deepcopy(base), copy.deepcopy(base)
+    for unit in (fsdp[0], fsdp[2], fsdp):
+        fully_shard(unit, mesh=init_device_mesh("cpu", (n,)),
+                    mp_policy=MixedPrecisionPolicy(torch.float16, torch.float32))
+    for unit in (ours[0], ours[2], ours):
+        zero.shard(unit, stage=3, mp_policy=zero.MixedPrecision(torch.float16, torch.float32))
+    scalers = [TorchScaler("cpu", init_scale=2.0**8),
+               {"sharded": zero.ShardedGradScaler, "plain": torch.amp.GradScaler}[scaler_kind](
+                   "cpu", init_scale=2.0**8)]
+    models = [fsdp, ours]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    failures, scales = [], []
+    for s in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        for model, opt, scaler in zip(models, opts, scalers):
+            scaler.scale(model(x).float().square().mean()).backward()
+            if s == 1 and rank == 1:  # an overflow in element (6, 0) of 0.weight: rank 1's rows
+                g = model[0].weight.grad
+                if hasattr(g, "to_local"):
+                    g.to_local()[2, 0] = torch.inf  # FSDP2: rows 4..7 of the (8, 8) weight
+                else:
+                    g[16] = torch.inf  # ours: flat elements 32..63 of the unit's 64
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        scales.append([sc.get_scale() for sc in scalers])
+        ref = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
+        mine = zero.full_state_dict(ours)
+        failures += [f"step {s}: {k}" for k in ref if not torch.equal(ref[k], mine[k])]
+    return failures, scales
+
+
+def test_sharded_grad_scaler_agrees_on_found_inf_like_fsdp2():
+    for failures, scales in run_ranks(_scaled_training, 2, "sharded"):
+        assert failures == []
+        assert scales == [[256.0, 256.0], [128.0, 128.0], [128.0, 128.0]]  # step 1 skipped
