@@ -27,6 +27,8 @@ from torch._C._autograd import (
     _top_saved_tensors_default_hooks,
 )
 
+from zero import refuse
+
 if TYPE_CHECKING:
     from zero.unit import Unit
 
@@ -78,6 +80,6 @@ class Guard:
 
     def _unpack(self, saved):
         if isinstance(saved, _Saved):
-            saved.unit.check_gathered_for_backward()
+            refuse.freed_in_backward(saved.unit)
             return saved.tensor
         return saved

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero import comm
+from zero import comm, refuse
 from zero.flat import FlatLayout
 from zero.grads import GradientMixin
 from zero.root import Root
@@ -194,17 +194,6 @@ class Unit(GradientMixin):
         else:
             self.reshard()
 
-    def check_gathered_for_backward(self) -> None:
-        """Called by ``zero/guard.py`` when backward reads a tensor saved from our storage."""
-        if not self.is_unsharded:
-            raise RuntimeError(
-                f"backward needs the parameters of unit {self.name}, but its flat parameter was "
-                "freed after forward and never gathered again: zero found no tensor requiring "
-                "grad in the unit's output (it looks inside tensors, tuples, lists, dicts, "
-                "namedtuples and dataclasses), so its pre-backward hook never ran. Return the "
-                "output in one of those, or shard this unit with reshard_after_forward=False")
-        self.wait_unshard()
-
     # ---- which tensors the module computes with --------------------------------------------
 
     def use(self, tensors: list[torch.Tensor]) -> None:
@@ -240,49 +229,11 @@ class Unit(GradientMixin):
 
     def use_sharded_params(self, after_forward: bool = False) -> None:
         if after_forward:
-            self._check_views_untouched()
+            refuse.replaced_in_forward(self)
         self.use(self.params)
 
-    def _check_params_untouched(self) -> None:
-        """``model.half()`` / ``.double()`` / ``.to(device)`` after sharding swaps each piece's
-        data for a converted copy that the unit no longer owns: say so before computing."""
-        key = self.sharded.untyped_storage()._cdata
-        for p, locs in zip(self.params, self.locations):
-            mod, attr = locs[0]
-            if (mod._parameters.get(attr) is not p or p.dtype != self.sharded.dtype
-                    or p.device != self.sharded.device or p.untyped_storage()._cdata != key):
-                raise RuntimeError(
-                    f"the parameters of unit {self.name} were converted after zero.shard "
-                    f"(now {p.dtype} on {p.device}, sharded as {self.sharded.dtype} on "
-                    f"{self.sharded.device}): model.to(), .half(), .double() or .cuda() after "
-                    "sharding detach them from their shard. Convert the model before "
-                    "zero.shard, or compute in another dtype with "
-                    "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
-
     def __deepcopy__(self, memo):
-        raise TypeError(
-            f"copy.deepcopy of a model sharded by zero (unit {self.name}) is not supported: "
-            "its parameters are views into shards that a copy would not share. Copy the model "
-            "before sharding it and shard the copy the same way (an EMA model, for example), "
-            "or copy zero.full_state_dict(model)")
-
-    def _check_views_untouched(self) -> None:
-        """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
-        computed on something other than our parameters: its gradient is lost. Say so."""
-        key = self._unsharded_data.untyped_storage()._cdata
-        for v, locs in zip(self._views or [], self.locations):
-            for mod, attr in locs:
-                t = mod._parameters.get(attr)
-                if t is not v or (t.numel() and t.untyped_storage()._cdata != key):
-                    path = next(n for n, m in self.module.named_modules() if m is mod)
-                    name = ".".join(s for s in (self.name, path, attr) if s and s != "root")
-                    raise RuntimeError(
-                        f"'{name}' was replaced during forward (e.g. module.to(dtype) inside "
-                        f"forward): it no longer computes with unit {self.name}'s "
-                        f"{self.param_dtype} parameters, and its gradient would be lost. If it "
-                        "must compute in another dtype (a router in fp32), shard the module "
-                        "that owns it as its own unit first, with zero.shard(module, "
-                        "mp_policy=None)")
+        refuse.deepcopy(self)
 
     # ---- module hooks ---------------------------------------------------------------------
 
@@ -295,7 +246,7 @@ class Unit(GradientMixin):
         else:
             if self.parent is None:
                 self.root.begin_forward()  # reset what a failure left behind, agree, refresh
-            self._check_params_untouched()
+            refuse.converted_after_sharding(self)
             if self.stage.keep_params and self._pending is None and self.shard_written():
                 self.shard_changed()  # called on its own, not from the root's forward
             self.discard_gradients_if_zeroed()

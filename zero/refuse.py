@@ -1,0 +1,74 @@
+"""What a unit refuses to do: each check below stands between a user and a silent wrong result.
+
+Every one of them was a silent wrong result once (notes/12-model-code.md): a forward after
+``model.half()`` computing with copies the optimizer never updates, a module that cast its own
+weights in forward losing their gradient, backward reading a unit's freed parameters, a deep
+copy whose parameters no longer view its shards. Each raises, naming the fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zero.unit import Unit
+
+
+def _key(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+def converted_after_sharding(unit: "Unit") -> None:
+    """``model.half()`` / ``.double()`` / ``.to(device)`` after sharding swaps each piece's
+    data for a converted copy that the unit no longer owns: say so before computing."""
+    key = _key(unit.sharded)
+    for p, locs in zip(unit.params, unit.locations):
+        mod, attr = locs[0]
+        if (mod._parameters.get(attr) is not p or p.dtype != unit.sharded.dtype
+                or p.device != unit.sharded.device or _key(p) != key):
+            raise RuntimeError(
+                f"the parameters of unit {unit.name} were converted after zero.shard "
+                f"(now {p.dtype} on {p.device}, sharded as {unit.sharded.dtype} on "
+                f"{unit.sharded.device}): model.to(), .half(), .double() or .cuda() after "
+                "sharding detach them from their shard. Convert the model before "
+                "zero.shard, or compute in another dtype with "
+                "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
+
+
+def replaced_in_forward(unit: "Unit") -> None:
+    """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
+    computed on something other than our parameters: its gradient is lost. Say so."""
+    key = _key(unit._unsharded_data)
+    for v, locs in zip(unit._views or [], unit.locations):
+        for mod, attr in locs:
+            t = mod._parameters.get(attr)
+            if t is not v or (t.numel() and _key(t) != key):
+                path = next(n for n, m in unit.module.named_modules() if m is mod)
+                name = ".".join(s for s in (unit.name, path, attr) if s and s != "root")
+                raise RuntimeError(
+                    f"'{name}' was replaced during forward (e.g. module.to(dtype) inside "
+                    f"forward): it no longer computes with unit {unit.name}'s "
+                    f"{unit.param_dtype} parameters, and its gradient would be lost. If it "
+                    "must compute in another dtype (a router in fp32), shard the module "
+                    "that owns it as its own unit first, with zero.shard(module, "
+                    "mp_policy=None)")
+
+
+def freed_in_backward(unit: "Unit") -> None:
+    """Called by ``zero/guard.py`` when backward reads a tensor saved from the unit's storage."""
+    if not unit.is_unsharded:
+        raise RuntimeError(
+            f"backward needs the parameters of unit {unit.name}, but its flat parameter was "
+            "freed after forward and never gathered again: zero found no tensor requiring "
+            "grad in the unit's output (it looks inside tensors, tuples, lists, dicts, "
+            "namedtuples and dataclasses), so its pre-backward hook never ran. Return the "
+            "output in one of those, or shard this unit with reshard_after_forward=False")
+    unit.wait_unshard()
+
+
+def deepcopy(unit: "Unit") -> None:
+    raise TypeError(
+        f"copy.deepcopy of a model sharded by zero (unit {unit.name}) is not supported: "
+        "its parameters are views into shards that a copy would not share. Copy the model "
+        "before sharding it and shard the copy the same way (an EMA model, for example), "
+        "or copy zero.full_state_dict(model)")
