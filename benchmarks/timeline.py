@@ -46,7 +46,7 @@ def trace(rank: int, n: int, kind: str, tmp: str, dim: int, layers: int) -> str 
     system = System(kind, base, "adamw")
     for i in range(2):
         system.step(rank, i, batch=cs.BATCH)
-    model = system.model.module if kind == "ddp" else system.model
+    model = getattr(system.model, "module", system.model)  # DDP (and ddp+zro) wraps it
     spans = {}  # a named range around each unit's forward, from the outside
 
     def enter(name):
