@@ -26,16 +26,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py: tables, results file, plots)
+from argtypes import comma_list, int_in, output_file, positive_int  # noqa: E402
 
 import zero  # noqa: E402
+from zero.memory import model_state_bytes  # noqa: E402
 from zerolab.measure import CommBytes  # noqa: E402
 from zerolab.trackers import PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
 from zerolab.systems import KINDS, System  # noqa: E402
 
 # ---- defaults (a small GPT that runs in about a minute on 2 CPU cores) ---------------------
-WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB = 2, 4, 128, 64, 8, 512
+WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB, HEADS = 2, 4, 128, 64, 8, 512, 4
 STEPS, WARMUP = 12, 2
+MAX_LOCAL_RANKS = 64  # local ranks are processes sharing this machine's cores and memory
+MAX_STEPS = 1000  # a system's ranks have 600 s (run_ranks' timeout); the median settles long before
 SWEEP_SIZES = [(2, 64), (4, 128), (4, 256)]  # (layers, dim): 0.12M to 3.3M parameters
 SWEEP_WORLD_SIZES = [1, 2, 4]
 SWEEP_KINDS = ["ddp", "zero1", "zero2", "zero3"]
@@ -50,7 +54,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=4)
+    cfg = GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=HEADS)
     base = GPT(cfg).to(device)
     system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"))
     losses = []
@@ -128,26 +132,67 @@ def _quiet_measure(rank, n, kind, args):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=WORLD_SIZE)
-    p.add_argument("--layers", type=int, default=LAYERS)
-    p.add_argument("--dim", type=int, default=DIM)
-    p.add_argument("--seq", type=int, default=SEQ)
-    p.add_argument("--batch", type=int, default=BATCH)
-    p.add_argument("--steps", type=int, default=STEPS, help="timed steps (after warm-up)")
-    p.add_argument("--systems", default=",".join(KINDS), help=f"comma list of {KINDS}")
+    p.add_argument("--world-size", type=int_in(1, MAX_LOCAL_RANKS), default=WORLD_SIZE,
+                   help=f"local ranks, at most {MAX_LOCAL_RANKS} (under torchrun: torchrun's)")
+    p.add_argument("--layers", type=positive_int, default=LAYERS)
+    p.add_argument("--dim", type=positive_int, default=DIM, help=f"a multiple of {HEADS} (heads)")
+    p.add_argument("--seq", type=positive_int, default=SEQ)
+    p.add_argument("--batch", type=positive_int, default=BATCH, help="per rank")
+    p.add_argument("--steps", type=int_in(0, MAX_STEPS), default=STEPS,
+                   help=f"timed steps (after warm-up), at most {MAX_STEPS}")
+    p.add_argument("--systems", type=comma_list(KINDS), default=list(KINDS),
+                   help=f"comma list of {KINDS}")
     p.add_argument("--mixed-precision", action="store_true",
                    help="bf16 compute, fp32 reduce (ours and FSDP2; DDP stays fp32)")
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
-    p.add_argument("--out", default=None, help="results file (default benchmarks/results/...)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (gloo) or cuda (nccl, under torchrun)")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results file (default benchmarks/results/...)")
     p.add_argument("--sweep", action="store_true", help="memory and bytes vs model size and N")
     p.add_argument("--no-time", action="store_true", help="skip the timed steps")
     args = p.parse_args(argv)
-    args.kinds = args.systems.split(",")
-    if unknown := set(args.kinds) - set(KINDS):
-        p.error(f"unknown systems {sorted(unknown)}; choose from {KINDS}")
+    args.kinds = args.systems
     if args.steps < 1 and not args.no_time:
         p.error("--steps must be >= 1 (or pass --no-time)")
+    if args.dim % HEADS:
+        p.error(f"--dim must be a multiple of the number of heads ({HEADS}), got {args.dim}")
+    if args.device == "cuda":  # device_count, not is_available: it asks NVML, not CUDA, so
+        # CUDA stays usable in the ranks that run_ranks forks from this process
+        missing = ("no CUDA device is available" if torch.cuda.device_count() == 0 else
+                   "this torch has no NCCL" if not dist.is_nccl_available() else None)
+        if missing:
+            p.error(f"--device cuda: {missing} (torch {torch.__version__}); the GPU path runs one "
+                    f"rank per GPU under torchrun with NCCL: torchrun --nproc-per-node <GPUs> "
+                    f"benchmarks/compare_stages.py --device cuda")
+    if args.device == "cpu" and not args.sweep and (why := too_big(args)):
+        p.error(why)
     return args
+
+
+def gpt_params(vocab: int, seq: int, dim: int, layers: int) -> int:
+    """Ψ of zerolab.models.GPT without building it: embeddings (the head is tied), final
+    norm, and per block qkv, proj, fc, out with biases and two norms."""
+    return (vocab + seq + 2) * dim + layers * (12 * dim * dim + 13 * dim)
+
+
+def too_big(args) -> str | None:
+    """Why this run cannot fit this machine's memory, or None. A lower bound, so that it never
+    refuses a run that fits: the model states by the ZeRO paper's formula for the most demanding
+    system chosen, plus the fp32 logits, on every local rank (one that passes may still run
+    out). Without it a run too big for RAM starts its ranks and the kernel kills one, or
+    the machine swaps."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))  # torchrun's, or ours
+    n = int(os.environ.get("WORLD_SIZE", args.world_size))
+    psi = gpt_params(VOCAB, args.seq, args.dim, args.layers)
+    states = max(min(model_state_bytes(psi, n, PAPER_STAGE[k], mp) for mp in (False, True))
+                 for k in args.kinds)
+    need = local * (states + 4 * args.batch * args.seq * VOCAB)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need <= have:
+        return None
+    return (f"the run needs at least {need / 1e9:,.1f} GB (Ψ = {psi:,} parameters: model states "
+            f"and logits on {local} local ranks) and this machine has {have / 1e9:.1f} GB: "
+            f"make the model, the batch or the number of ranks smaller")
 
 
 def main(argv=None) -> None:

@@ -29,16 +29,26 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import zero
-from zero.init import init_parameters
-from zero.memory import model_state_bytes
-from zerolab.trackers import ZeroMemTracker
-from zerolab.models import GPT, GPTConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zero  # noqa: E402
+from argtypes import comma_list, float_in, int_in  # noqa: E402
+from zero.init import init_parameters  # noqa: E402
+from zero.memory import model_state_bytes  # noqa: E402
+from zerolab.trackers import ZeroMemTracker  # noqa: E402
+from zerolab.models import GPT, GPTConfig  # noqa: E402
 
 VOCAB, SEQ, BATCH = 50304, 128, 1  # a short sequence: activations are not model states
 PAPER_TABLE1 = {  # ZeRO paper, Table 1: 7.5B parameters, K = 12, GB per device
     4: (52.5, 41.2, 30.0), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88), 1024: (30.1, 15.1, 0.12)}
 GB = 1e9
+# The command line's bounds: the simulation's own time and memory grow with the layers, about
+# 0.09 s and 0.6 MB a layer per stage (2 CPU cores; measured 2026-11-30): 7.5e9 parameters
+# (36 layers) take 3 s a stage and 0.35 GB, 2e12 (621 layers; beyond 1.3e12 gpt_config runs
+# out of width and only adds layers) a minute a stage and 0.7 GB, 1e15 (310,420 layers) would
+# take 7 hours a stage and 190 GB. Memory also grows by about 70 bytes a rank (0.1 GB at a
+# million ranks; at a billion the simulation ran out of 24 GB).
+MAX_PARAMS, MAX_WORLD_SIZE = 2e12, 1_000_000
+MAX_MEMORY = MAX_PARAMS * 16 / 64  # --table2: stage 3 on 64 ranks holds 16 / 64 bytes a parameter
 
 
 def gpt_config(params: float) -> GPTConfig:
@@ -133,25 +143,32 @@ def table2(memory: float, world_sizes=(64,), probe: float = 1e9) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=7.5e9)
-    p.add_argument("--world-size", type=int, default=64)
-    p.add_argument("--stage", default="1,2,3", help="comma list of stages")
+    p.add_argument("--params", type=float_in(0, MAX_PARAMS), default=7.5e9,
+                   help=f"about this many parameters, at most {MAX_PARAMS:g}: the simulation costs "
+                        "0.1 s and 0.6 MB a layer per stage (7.5e9: 36 layers; 2e12: 621)")
+    p.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=64,
+                   help=f"at most {MAX_WORLD_SIZE:,} (the simulation keeps ~70 bytes a rank)")
+    p.add_argument("--stage", type=comma_list((1, 2, 3), int), default=[1, 2, 3],
+                   help="comma list of stages (1, 2, 3)")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 master")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print a JSON list, one object per stage")
-    p.add_argument("--table1", action="store_true", help="reproduce the ZeRO paper's Table 1")
-    p.add_argument("--table2", action="store_true", help="the largest model that fits (Table 2)")
-    p.add_argument("--memory", type=float, default=32e9, help="bytes per device for --table2")
+    p.add_argument("--rank", type=int_in(0), default=0)
+    what = p.add_mutually_exclusive_group()  # each prints its own output: one at a time
+    what.add_argument("--json", action="store_true", help="print a JSON list, one object per stage")
+    what.add_argument("--table1", action="store_true", help="reproduce the ZeRO paper's Table 1")
+    what.add_argument("--table2", action="store_true", help="the largest model that fits (Table 2)")
+    p.add_argument("--memory", type=float_in(0, MAX_MEMORY), default=32e9,
+                   help=f"bytes per device for --table2, at most {MAX_MEMORY:g}: stage 3 on 64 "
+                        f"ranks fits {MAX_PARAMS:g} parameters in that, --params' bound")
     args = p.parse_args(argv)
-    if not 0 <= args.rank < args.world_size:
+    if args.rank >= args.world_size:
         p.error(f"--rank must be in [0, {args.world_size})")
     start = time.monotonic()
     if args.table1 or args.table2:
         lines = table1() if args.table1 else table2(args.memory)
         print("\n".join(lines))
     else:
-        rows = [simulate(args.params, args.world_size, int(s), args.mixed_precision, args.rank)
-                for s in args.stage.split(",")]
+        rows = [simulate(args.params, args.world_size, s, args.mixed_precision, args.rank)
+                for s in args.stage]
         if args.json:
             print(json.dumps(rows, indent=1))
         else:
@@ -165,5 +182,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()

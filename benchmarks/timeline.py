@@ -27,10 +27,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare_stages as cs  # noqa: E402
+from argtypes import comma_list, output_file, positive_int  # noqa: E402
 
 from zerolab.launch import run_ranks  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
-from zerolab.systems import System  # noqa: E402
+from zerolab.systems import KINDS as ALL_KINDS, System  # noqa: E402
 
 KINDS = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,7 +43,7 @@ COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
 def trace(rank: int, n: int, kind: str, tmp: str, dim: int, layers: int) -> str | None:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab=cs.VOCAB, seq=cs.SEQ, dim=dim, layers=layers))
+    base = GPT(GPTConfig(vocab=cs.VOCAB, seq=cs.SEQ, dim=dim, layers=layers, heads=cs.HEADS))
     system = System(kind, base, "adamw")
     for i in range(2):
         system.step(rank, i, batch=cs.BATCH)
@@ -137,16 +138,25 @@ def draw(per_kind: dict, png: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default=",".join(KINDS))
-    p.add_argument("--dim", type=int, default=cs.DIM)
-    p.add_argument("--layers", type=int, default=cs.LAYERS)
-    p.add_argument("--png", default=os.path.join(HERE, "..", "notes", "figures", "timeline.png"))
+    p.add_argument("--systems", type=comma_list(ALL_KINDS), default=KINDS,
+                   help=f"comma list of {ALL_KINDS}")
+    p.add_argument("--dim", type=positive_int, default=cs.DIM,
+                   help=f"a multiple of {cs.HEADS} (heads)")
+    p.add_argument("--layers", type=positive_int, default=cs.LAYERS)
+    p.add_argument("--png", type=output_file,
+                   default=os.path.join(HERE, "..", "notes", "figures", "timeline.png"))
     args = p.parse_args(argv)
+    if args.dim % cs.HEADS:
+        p.error(f"--dim must be a multiple of the number of heads ({cs.HEADS}), got {args.dim}")
+    size = argparse.Namespace(world_size=2, seq=cs.SEQ, dim=args.dim, layers=args.layers,
+                              batch=cs.BATCH, kinds=args.systems)
+    if why := cs.too_big(size):
+        p.error(why)
     out_dir = os.path.join(HERE, "results", "timeline")
     os.makedirs(out_dir, exist_ok=True)
     per_kind = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in args.systems.split(","):
+        for kind in args.systems:
             path = run_ranks(trace, 2, kind, tmp, args.dim, args.layers, timeout=300)[0]
             per_kind[kind] = lanes(path)
             with open(path, "rb") as f, gzip.open(os.path.join(out_dir, f"{kind}.json.gz"), "wb") as g:
