@@ -23,7 +23,7 @@ import zero
 from compare import DIM, ZERO, Net, System, Tanh, batch_of, compare, inner
 from harness import run_ranks
 from zerolab.measure import CommBytes
-from zerolab.models import GPT
+from zerolab.models import GPT, LoRAStack
 
 
 # ---- 1. activation checkpointing called inside a unit's forward (transformers 5) ------------
@@ -357,3 +357,12 @@ def test_a_module_casting_its_own_weights_in_a_bf16_unit_raises_naming_the_fix(s
 def test_the_fix_a_router_as_its_own_fp32_unit_matches_fsdp2():
     make = lambda: RouterNet(router_unit=True)  # noqa: E731
     assert run_ranks(compare, 2, make, "fsdp2", ZERO, {"mp": True}) == [[], []]
+
+
+# ---- frozen base weights, trainable adapters (LoRA): stage 3 frees each block on time -------
+
+def test_lora_style_fine_tuning_matches_ddp_and_fsdp2():
+    # Each block's backward ends with the hook on its inputs' gradients (zero/hooks.py): the
+    # extra autograd node must not change a single bit.
+    make = lambda: LoRAStack(dim=32, blocks=3, rank=4)  # noqa: E731
+    assert run_ranks(compare, 2, make, "ddp", ZERO + ["fsdp2"]) == [[], []]

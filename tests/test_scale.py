@@ -114,10 +114,10 @@ def _expected(units, stage, mp):
     params = 2 * P + 4 * S if mp else 4 * P  # compute copy (+ fp32 master shard when it is apart)
     if stage == 2:
         return params + 4 * S + optim  # fp32 gradient shards (the paper counts 2-byte ones)
-    # stage 1: the full gradient; without a cast every reduce-scatter is in flight at once at
-    # the end of backward, so all the shards join it (with a cast, each upcast copy frees the
-    # bf16 gradient before its shard exists)
-    return params + (2 * P if mp else 4 * P + 4 * S) + optim
+    # stage 1: the full gradient; without a cast each rank's shard is reduced in place into its
+    # own slot of it (with a cast, each upcast copy frees the bf16 gradient before its shard
+    # exists)
+    return params + (2 * P if mp else 4 * P) + optim
 
 
 @pytest.mark.parametrize("mp", [False, True])

@@ -5,6 +5,7 @@ A unit's gradient takes one road (``Unit`` in ``zero/unit.py`` is the parameter 
     autograd -> unsharded.grad (N*S,)     the full flat gradient, complete at post-backward
              -> [no_sync: kept, summed over micro-batches in reduce_dtype]
              -> reduce-scatter (avg)       (N*S,) on every rank -> (S,): our slice of the mean
+                                           (stage 1, fp32: into our own slot of the full gradient)
              -> p.grad for each parameter  a 1-D view of our piece of the reduced shard
 
 Stages 2/3 start the reduce-scatter the moment a unit's gradient is complete (one in
@@ -78,8 +79,15 @@ class GradientMixin:
             grad, self._unsynced = self._unsynced, None
         if grad is None:
             return
+        kept = not self.stage.reduce_each_unit and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
-        shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+        if kept and grad.dtype == self.sharded.dtype:
+            # Stage 1 keeps every full gradient until the step anyway: reduce into our own
+            # slot of it, and the shard costs no memory of its own (gradients: Ψ, as in DDP).
+            # (Not into an upcast copy: that would keep the whole copy alive for one slot.)
+            shard = grad[self._slot]
+        else:  # stages 2/3 free the full gradient: the shard needs its own Ψ/N
+            shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         pre, post = divide_factors(grad.dtype, self.world_size)
         if pre is not None:
             grad.div_(pre)  # fp16: half of the mean's division before the sum, half after

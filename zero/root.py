@@ -26,6 +26,7 @@ import torch
 
 from zero import comm
 from zero.guard import Guard
+from zero.hooks import State
 
 if TYPE_CHECKING:
     from zero.unit import Unit
@@ -65,8 +66,6 @@ class Root:
     def begin_forward(self) -> None:
         """The root's forward starts: reset what a failure left behind, agree with the other
         ranks on what happened since the last forward, refresh the written shards."""
-        from zero.unit import State
-
         stuck = {u.state for u in self.units} - {State.IDLE}
         if self._callback_queued or stuck - {State.FORWARD}:
             warnings.warn(

@@ -15,11 +15,12 @@ outcome (``comm.agreeing``): a mistake on one rank raises on all of them, none h
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 import torch.nn as nn
 
-from zero import comm, outside
+from zero import comm, hooks, outside
 from zero.mixed_precision import MixedPrecision
 from zero.stage import STAGES
 from zero.unit import Unit
@@ -78,8 +79,8 @@ def shard(
     outside.replace(params, unit, _names(module, params))
     unit.use_sharded_params()
     module._zero_unit = unit
-    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
+    module.register_forward_pre_hook(partial(hooks.pre_forward, unit), with_kwargs=True)
+    module.register_forward_hook(partial(hooks.post_forward, unit))
     outside.install([module] + [mod for locs in locations for mod, _ in locs])
     if unit.materialized:  # stages 1/2: every rank starts from the same full parameters
         unit.shard_changed(phase="init")

@@ -23,18 +23,14 @@ Stage 3 frees ``unsharded`` between uses by resizing its storage to 0 bytes; the
 in the autograd graph stay valid because the same storage is refilled before backward, and
 ``zero/guard.py`` raises if backward ever reaches them while it is empty.
 
-[Note: the training state] A unit is in exactly one ``State`` (FSDP2's ``TrainingState``):
-IDLE between iterations, FORWARD inside its forward, PRE_BACKWARD once backward has reached
-its output (its parameters gathered for backward), POST_BACKWARD once its gradient is
-complete. The views the module computes with are made once per iteration, so two forwards
-before one backward accumulate their gradients in the order DDP does. The end of backward
-returns every unit to IDLE; a forward or backward that raised leaves some unit elsewhere,
-and the root's next forward resets them (``Root.begin_forward``).
+When each of these things happens, and in which ``State`` a unit is meanwhile, is
+``zero/hooks.py``: the life of a unit in one iteration. The views the module computes with
+are made once per iteration, so two forwards before one backward accumulate their gradients
+in the order DDP does.
 """
 
 from __future__ import annotations
 
-import enum
 from functools import partial
 from typing import Any
 
@@ -42,23 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero import comm, refuse
+from zero import comm, hooks, refuse
 from zero.flat import FlatLayout
 from zero.grads import GradientMixin
+from zero.hooks import State
 from zero.root import Root
-from zero.tree import map_tensors, tensors_in
-
-
-class State(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-
-
-def in_backward() -> bool:
-    """True while autograd's engine runs a backward (e.g. activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Unit(GradientMixin):
@@ -111,6 +95,9 @@ class Unit(GradientMixin):
         self._views: list[torch.Tensor] | None = None  # this iteration's views into unsharded
         self._views_for: tuple[bool, ...] = ()  # which params required grad when they were made
         self._post_backward_hook = None
+        self.forward_calls = 0  # forwards this iteration
+        self.inputs_done = False  # backward has computed the gradients of the unit's inputs
+        self.reshard_after_backward = True  # False: keep gathered for the next micro-batch
         self._pending: Any = None  # an all-gather in flight
         self.is_unsharded = stage.keep_params
         self._seen_version = self.sharded._version  # what the full parameters were made from
@@ -214,7 +201,7 @@ class Unit(GradientMixin):
             self.unsharded.requires_grad_(any(wants))
         if any(wants) and self._post_backward_hook is None:
             self._post_backward_hook = self.unsharded.register_post_accumulate_grad_hook(
-                self.post_backward)
+                partial(hooks.post_backward, self))
         views = []
         # Even under no_grad or inference_mode (an eval forward, reentrant checkpointing's
         # first pass) the views must lead to the leaf: a later forward may reuse them.
@@ -235,78 +222,18 @@ class Unit(GradientMixin):
     def __deepcopy__(self, memo):
         refuse.deepcopy(self)
 
-    # ---- module hooks ---------------------------------------------------------------------
-
-    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
-        if self.cast_inputs:
-            args, kwargs = map_tensors(self._cast, (args, kwargs))
-        if in_backward():  # activation-checkpoint recompute: gathered for backward
-            self.unshard(phase="backward")
-            self.state = State.PRE_BACKWARD
-        else:
-            if self.parent is None:
-                self.root.begin_forward()  # reset what a failure left behind, agree, refresh
-            refuse.converted_after_sharding(self)
-            if self.stage.keep_params and self._pending is None and self.shard_written():
-                self.shard_changed()  # called on its own, not from the root's forward
-            self.discard_gradients_if_zeroed()
-            self.state = State.FORWARD
-            self.unshard(phase="forward", async_op=True)
-            self.root.forward_started(self)  # records the order; prefetches the next unit
-            self.wait_unshard()
-            if self.reshard_after_forward and torch.is_grad_enabled():
-                self.root.guard.enter()
-        self.use_unsharded_views()
-        return args, kwargs
-
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        """A floating-point forward input, in the compute dtype (mixed precision)."""
         return t.to(self.param_dtype) if t.is_floating_point() else t
-
-    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if in_backward():
-            return output  # activation-checkpoint recompute: backward still needs everything
-        if self.reshard_after_forward and torch.is_grad_enabled():
-            self.root.guard.exit()
-        self.use_sharded_params(after_forward=True)
-        self.state = State.IDLE
-        if not torch.is_grad_enabled():
-            self.reshard()  # no backward will come for this forward
-            return output
-        if self.reshard_after_forward:
-            self.reshard()
-        for t in tensors_in(output):
-            if t.requires_grad:
-                t.register_hook(self.pre_backward)
-        return output
-
-    def pre_backward(self, grad: torch.Tensor) -> None:
-        if self.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
-            self.state = State.PRE_BACKWARD
-            self.unshard(phase="backward", async_op=True)
-            self.root.backward_started(self)  # prefetches the unit before this one
-            self.wait_unshard()
-            self.use_unsharded_views()  # for a recompute inside the unit's forward
-
-    def post_backward(self, leaf: torch.Tensor) -> None:
-        """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
-        self.root.queue_final_callback()
-        self.state = State.POST_BACKWARD
-        if not self.requires_grad_sync:
-            self.keep_unsynced_gradient()
-        elif self.stage.reduce_each_unit:
-            self.root.reduce(self)
-        # A frozen parameter's data may still be needed for an input gradient after this
-        # hook (it feeds no gradient into the leaf), so such units reshard in the callback.
-        if all(p.requires_grad for p in self.params):
-            self.use_sharded_params()
-            self.reshard()
 
     def end_iteration(self) -> None:
         """Back to IDLE: sharded parameters in the module; stage 3 frees the full ones."""
         self.use_sharded_params()
         self.state = State.IDLE
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
         self._views = None  # the next iteration makes new ones
+        self.forward_calls, self.inputs_done = 0, False
 
     @property
     def reshard_after_forward(self) -> bool:

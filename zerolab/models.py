@@ -148,3 +148,45 @@ class EncoderStack(nn.Module):
     @staticmethod
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+class LoRALinear(nn.Module):
+    """A frozen base ``Linear`` plus a trainable low-rank update ``B A`` (LoRA, Hu et al. 2021)."""
+
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Linear(dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, dim, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # (LoRA starts B at 0; tests want gradients)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoRAStack(nn.Module):
+    """Fine-tuning: blocks of a frozen dim x dim base and a trainable rank-r adapter, and a
+    trainable head. Each block is a unit whose parameters are mostly frozen."""
+
+    def __init__(self, dim: int = 384, blocks: int = 8, rank: int = 8):
+        super().__init__()
+        self.dim = dim
+        self.blocks = nn.ModuleList(LoRALinear(dim, rank) for _ in range(blocks))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+    def units(self) -> list[nn.Module]:
+        return [*self.blocks, self]
+
+    def batch(self, batch: int, generator: torch.Generator):
+        return (torch.randn(batch, self.dim, generator=generator),
+                torch.randn(batch, 4, generator=generator))
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out.float(), target)

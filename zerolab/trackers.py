@@ -97,6 +97,7 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
             self._tag(unit.sharded, _MemRefType.PARAM, transient=False)
             if unit.unsharded.requires_grad:  # the flat gradient, before it is accumulated
                 self._handles.append(unit.unsharded.register_hook(partial(self._tag_grad, unit)))
+            # (a unit whose parameters are all frozen has no flat gradient to tag)
         return self
 
     def __exit__(self, *args: Any) -> None:
@@ -107,13 +108,16 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         super().__exit__(*args)
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
-        if all(p.is_leaf for p in module.parameters()):
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-        # Inside a unit's forward its parameters are views into the unit's flat buffer (not
-        # leaves, so no gradient hooks on them); __enter__ tracked that buffer already.
+        # MemTracker hooks every parameter's gradient, which fails on a frozen one and never
+        # fires on ours (autograd fills the unit's flat leaf; we tag those gradients
+        # ourselves), so: no gradient hooks. Inside a unit's forward the parameters are views
+        # into its flat buffer, not leaves; __enter__ tracked that buffer already.
         def total(tensors, reftype):
             return sum(w.mem_consumed for t in tensors
                        for w in self._update_and_maybe_create_winfos(t, reftype))
+        for p in module.parameters():
+            if p.grad is not None:
+                self._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
         return total(module.parameters(), _MemRefType.PARAM), total(module.buffers(),
                                                                     _MemRefType.BUFFER)
 

@@ -1,0 +1,148 @@
+"""The life of a unit in one iteration: four hooks, and the state a unit is in between them.
+
+    pre_forward    gather the parameters (stage 3; stages 1/2 have them), compute with views
+    post_forward   give the sharded parameters back; stage 3 frees the full ones; hook the
+                   output tensors, so that backward calls pre_backward when it reaches them
+    pre_backward   gather the parameters again (stage 3), for the unit's backward
+    post_backward  the unit's flat gradient is complete: reduce-scatter it (stages 2/3),
+                   free the parameters
+
+FSDP2 has the same four, with the same names. The root's end-of-backward callback
+(``Root._finish_backward``) then hands out the gradients and returns every unit to IDLE.
+
+[Note: the training state] A unit is in exactly one ``State`` (FSDP2's ``TrainingState``):
+IDLE between iterations, FORWARD inside its forward, PRE_BACKWARD once backward has reached
+its output (its parameters gathered for backward), POST_BACKWARD once its gradient is
+complete. A forward or backward that raised leaves some unit elsewhere, and the root's next
+forward resets them all (``Root.begin_forward``).
+
+[Note: frozen parameters] The post-accumulate-grad hook says when the unit's *gradient* is
+complete, not when backward is done with its *parameters*: a frozen weight gives no gradient
+but is still read to compute the gradient of the unit's input. So at stage 3 a unit with
+frozen parameters also wraps its inputs in ``_InputGradients``, an identity whose backward
+runs once the inputs' gradients exist, which is when its backward is over (FSDP2 does this
+for every unit); then it frees its parameters. A LoRA-style model, frozen base weights and
+trainable adapters in every block, holds two blocks at a time this way, not all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from zero import refuse
+from zero.tree import map_tensors, tensors_in
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward (e.g. activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
+    if unit.cast_inputs:
+        args, kwargs = map_tensors(unit.cast, (args, kwargs))
+    if in_backward():  # activation-checkpoint recompute: gathered for backward
+        unit.unshard(phase="backward")
+        unit.state = State.PRE_BACKWARD
+    else:
+        if unit.parent is None:
+            unit.root.begin_forward()  # reset what a failure left behind, agree, refresh
+        refuse.converted_after_sharding(unit)
+        if unit.stage.keep_params and unit._pending is None and unit.shard_written():
+            unit.shard_changed()  # called on its own, not from the root's forward
+        unit.discard_gradients_if_zeroed()
+        unit.state = State.FORWARD
+        unit.forward_calls += 1
+        unit.unshard(phase="forward", async_op=True)
+        unit.root.forward_started(unit)  # records the order; prefetches the next unit
+        unit.wait_unshard()
+        if torch.is_grad_enabled():
+            if unit.reshard_after_forward:
+                unit.root.guard.enter()
+            if not unit.stage.keep_params and not all(p.requires_grad for p in unit.params):
+                args, kwargs = _hook_input_gradients(unit, args, kwargs)
+    unit.use_unsharded_views()
+    return args, kwargs
+
+
+def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
+    if in_backward():
+        return output  # activation-checkpoint recompute: backward still needs everything
+    if unit.reshard_after_forward and torch.is_grad_enabled():
+        unit.root.guard.exit()
+    unit.use_sharded_params(after_forward=True)
+    unit.state = State.IDLE
+    if not torch.is_grad_enabled():
+        unit.reshard()  # no backward will come for this forward
+        return output
+    if unit.reshard_after_forward:
+        unit.reshard()
+    for t in tensors_in(output):
+        if t.requires_grad:
+            t.register_hook(lambda grad: pre_backward(unit, grad))
+    return output
+
+
+def pre_backward(unit, grad: torch.Tensor) -> None:
+    if unit.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
+        unit.state = State.PRE_BACKWARD
+        unit.unshard(phase="backward", async_op=True)
+        unit.root.backward_started(unit)  # prefetches the unit before this one
+        unit.wait_unshard()
+        unit.use_unsharded_views()  # for a recompute inside the unit's forward
+
+
+def post_backward(unit, leaf: torch.Tensor) -> None:
+    """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
+    unit.root.queue_final_callback()
+    unit.state = State.POST_BACKWARD
+    if not unit.requires_grad_sync:
+        unit.keep_unsynced_gradient()
+    elif unit.stage.reduce_each_unit:
+        unit.root.reduce(unit)
+    # Frozen parameters may still be read for an input gradient: see the module note.
+    if all(p.requires_grad for p in unit.params) or unit.inputs_done:
+        _reshard_after_backward(unit)
+
+
+class _InputGradients(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward runs when their gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        if unit.forward_calls == 1:  # called twice, the other call's backward may be to come
+            unit.inputs_done = True
+            if unit.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
+                _reshard_after_backward(unit)
+        return (None, *grads)
+
+
+def _hook_input_gradients(unit, args, kwargs):
+    inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if not inputs:
+        return args, kwargs  # (data, say): the end of backward frees the unit instead
+    hooked = dict(zip(map(id, inputs), _InputGradients.apply(unit, *inputs)))
+    return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
+
+
+def _reshard_after_backward(unit) -> None:
+    unit.use_sharded_params()
+    if unit.reshard_after_backward:
+        unit.reshard()
