@@ -89,3 +89,22 @@ def test_ledger_only_records_while_active_and_resets():
             outer.reset()
             return counts, outer.count()
     assert run_ranks(body, 2)[0] == ((2, 1, 1), 0)
+
+
+def _timed(rank, n):
+    with comm.Ledger() as ledger:
+        x = torch.ones(1000)
+        work = comm.all_reduce(x, unit="u", phase="step", async_op=True)
+        pending = ledger.records[-1].done
+        work.wait()
+        comm.all_reduce(x, unit="u", phase="step")
+        comm.name_group(None, "everyone")
+        comm.all_reduce(x, unit="u", phase="step")
+    data = [r for r in ledger.records if r.op == "all_reduce"]
+    return pending, [(r.done is not None and r.done >= r.time, r.group) for r in data]
+
+
+def test_records_know_when_the_wait_returned_and_which_group_they_crossed():
+    pending, records = run_ranks(_timed, 2)[0]
+    assert pending is None  # issued, not yet waited for
+    assert records == [(True, "world"), (True, "world"), (True, "everyone")]

@@ -50,17 +50,19 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Record:
     """One collective as seen by this rank."""
 
-    op: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    op: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast" or "agree"
     dtype: torch.dtype
     buffer_bytes: int  # size of the full (unsharded) buffer
     sent_bytes: int  # what this rank sends under ring accounting
     unit: str
-    phase: str  # "init", "forward", "backward", "step" or "other"
+    phase: str  # "init", "forward", "backward", "step", "agree" or "other"
     time: float  # time.perf_counter() when it was issued (a timeline of one step)
+    group: str = "world"  # which group it crossed (``name_group``): "shard", "replicate"...
+    done: float | None = None  # when this rank's wait() for it returned (None: not yet)
 
 
 class Ledger:
@@ -82,17 +84,20 @@ class Ledger:
     def reset(self) -> None:
         self.records.clear()
 
-    def select(self, op: str | None = None, phase: str | None = None, unit: str | None = None):
+    def select(self, op: str | None = None, phase: str | None = None, unit: str | None = None,
+               group: str | None = None):
         return [
             r
             for r in self.records
             if (op is None or r.op == op)
             and (phase is None or r.phase == phase)
             and (unit is None or r.unit == unit)
+            and (group is None or r.group == group)
         ]
 
-    def sent_bytes(self, op: str | None = None, phase: str | None = None) -> int:
-        return sum(r.sent_bytes for r in self.select(op, phase))
+    def sent_bytes(self, op: str | None = None, phase: str | None = None,
+                   group: str | None = None) -> int:
+        return sum(r.sent_bytes for r in self.select(op, phase, group=group))
 
     def count(self, op: str | None = None, phase: str | None = None) -> int:
         return len(self.select(op, phase))
@@ -101,15 +106,55 @@ class Ledger:
 _ACTIVE: list[Ledger] = []
 
 
-def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase: str) -> None:
+_GROUP_NAMES: dict[Any, str] = {}
+
+
+def name_group(group, name: str) -> None:
+    """Give ``group`` a name for the ledger (HSDP's "shard" and "replicate" groups)."""
+    _GROUP_NAMES[group] = name
+
+
+def group_name(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return _GROUP_NAMES.get(dist.group.WORLD, "world")
+    return _GROUP_NAMES.get(group, f"{dist.get_world_size(group)} ranks")
+
+
+def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase: str):
     if not _ACTIVE:
-        return
+        return None
     n = dist.get_world_size(group)
     nbytes = buffer.numel() * buffer.element_size()
     rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
-                 time.perf_counter())
+                 time.perf_counter(), group_name(group))
     for ledger in _ACTIVE:
         ledger.records.append(rec)
+    return rec
+
+
+class _Timed:
+    """A collective's handle that notes, in its record, when ``wait()`` returned (on NCCL that
+    is when the current stream was told to wait, not when the bytes arrived)."""
+
+    def __init__(self, work, record: Record):
+        self.work, self.record = work, record
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        if self.record.done is None:
+            self.record.done = time.perf_counter()
+        return out
+
+
+def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_op: bool,
+           launch):
+    """Agree (check mode), record, launch; a handle that times its wait."""
+    _check(op, buffer, group, unit, phase)
+    rec = _record(op, buffer, factor, group, unit, phase)
+    work = launch()
+    if rec is not None and not async_op:
+        rec.done = time.perf_counter()
+    return _Timed(work, rec) if rec is not None and async_op else work
 
 
 class _Done:
@@ -144,9 +189,8 @@ def all_gather(output, input, *, group=None, unit="", phase="other", async_op=Fa
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _done(async_op)
-    _check("all_gather", output, group, unit, phase)
-    _record("all_gather", output, 1.0, group, unit, phase)
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
+    return _issue("all_gather", output, 1.0, group, unit, phase, async_op,
+                  lambda: _all_gather_flat(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other", async_op=False):
@@ -154,28 +198,26 @@ def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other
     if _alone(group):  # the sum (or mean) of one
         output.copy_(input)
         return _done(async_op)
-    _check("reduce_scatter", input, group, unit, phase)
-    _record("reduce_scatter", input, 1.0, group, unit, phase)
-    return _reduce_scatter_flat(output, input, op=_OPS[op], group=group, async_op=async_op)
+    return _issue("reduce_scatter", input, 1.0, group, unit, phase, async_op,
+                  lambda: _reduce_scatter_flat(output, input, op=_OPS[op], group=group,
+                                               async_op=async_op))
 
 
 def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op=False):
     """Any shape -> the same shape, reduced over ranks (``op`` in "sum", "avg", "max"), in place."""
     if _alone(group):
         return _done(async_op)
-    _check("all_reduce", tensor, group, unit, phase)
-    _record("all_reduce", tensor, 2.0, group, unit, phase)
-    return dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op)
+    return _issue("all_reduce", tensor, 2.0, group, unit, phase, async_op,
+                  lambda: dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=async_op))
 
 
 def broadcast(tensor, *, src: int = 0, group=None, unit="", phase="other", async_op=False):
     """Any shape -> the same shape on every rank: rank ``src``'s values, in place."""
     if _alone(group):
         return _done(async_op)
-    _check("broadcast", tensor, group, unit, phase)
-    _record("broadcast", tensor, 1.0, group, unit, phase)
-    return dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src,
-                          group=group, async_op=async_op)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    return _issue("broadcast", tensor, 1.0, group, unit, phase, async_op,
+                  lambda: dist.broadcast(tensor, src=global_src, group=group, async_op=async_op))
 
 
 def all_gather_object(obj: Any, *, group=None) -> list[Any]:
@@ -230,7 +272,7 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
     n, device = dist.get_world_size(group), device or default_device(group)
     mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
     every = torch.empty(2 * n, dtype=torch.int64, device=device)
-    _record("agree", every, 1.0, group, "", "agree")
+    rec = _record("agree", every, 1.0, group, "", "agree")
     # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
     work = _all_gather_flat(every, mine, group=group, async_op=True)
     try:
@@ -241,6 +283,8 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
     except RuntimeError as e:
         raise error(f"rank {dist.get_rank(group)} waited in vain for the other ranks to {what}: "
                     f"they are somewhere else. {fix}".strip()) from e
+    if rec is not None:
+        rec.done = time.perf_counter()
     rows = every.view(n, 2)
     if (rows != rows[0]).any():
         said = all_gather_object(f"{what} (agreement #{seq})", group=group)
