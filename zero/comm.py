@@ -111,13 +111,13 @@ _GROUP_NAMES: dict[Any, str] = {}
 
 def name_group(group, name: str) -> None:
     """Give ``group`` a name for the ledger (HSDP's "shard" and "replicate" groups)."""
-    _GROUP_NAMES[group] = name
+    _GROUP_NAMES[dist.group.WORLD if group is None else group] = name
 
 
 def group_name(group) -> str:
-    if group is None or group is dist.group.WORLD:
-        return _GROUP_NAMES.get(dist.group.WORLD, "world")
-    return _GROUP_NAMES.get(group, f"{dist.get_world_size(group)} ranks")
+    group = dist.group.WORLD if group is None else group
+    default = "world" if group is dist.group.WORLD else f"{dist.get_world_size(group)} ranks"
+    return _GROUP_NAMES.get(group, default)
 
 
 def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase: str):
