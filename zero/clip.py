@@ -35,13 +35,17 @@ def clip_grad_norm_(
     units = units_of(model)
     group = units[0].group
     with comm.raising_together(group):
-        loose = [n for n, p in model.named_parameters() if getattr(p, "_zero_unit", None) is None]
+        loose = [n for n, p in model.named_parameters()
+                 if not hasattr(p, "_zero_unit") and not getattr(p, "_zero_ignored", False)]
         if loose:
             raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
                              "module")
     comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=group,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in with_grad if hasattr(p, "_zero_unit")]
+    # ignored_params are whole on every rank: their share of the norm is counted once, after
+    whole = [p.grad for p in with_grad if not hasattr(p, "_zero_unit")]
     norm_type = float(norm_type)
     device = units[0].unsharded.device
     dtype = grads[0].dtype if grads else torch.float32
@@ -61,10 +65,15 @@ def clip_grad_norm_(
         total = local**norm_type
         comm.all_reduce(total, op="sum", group=group, unit="clip", phase="step")
         total = total ** (1.0 / norm_type)
+    if whole:
+        own = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in whole]), norm_type)
+        total = (torch.maximum(total, own) if norm_type == float("inf")
+                 else (total**norm_type + own**norm_type) ** (1.0 / norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} is {total.item()}; "
                            "set error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads + whole:
         g.mul_(coef)
     return total

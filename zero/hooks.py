@@ -83,10 +83,13 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
         unit.root.guard.exit()
     unit.use_sharded_params(after_forward=True)
     unit.state = State.IDLE
+    # A unit of several modules (zero.shard([a, b])) stays gathered until all have run.
+    last = unit.forward_calls % len(unit.modules) == 0
     if not torch.is_grad_enabled():
-        unit.reshard()  # no backward will come for this forward
+        if last:
+            unit.reshard()  # no backward will come for this forward
         return output
-    if unit.reshard_after_forward:
+    if unit.reshard_after_forward and last:
         unit.reshard()
     for t in tensors_in(output):
         if t.requires_grad:

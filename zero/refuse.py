@@ -43,7 +43,7 @@ def replaced_in_forward(unit: "Unit") -> None:
         for mod, attr in locs:
             t = mod._parameters.get(attr)
             if t is not v or (t.numel() and _key(t) != key):
-                path = next(n for n, m in unit.module.named_modules() if m is mod)
+                path = next(n for top in unit.modules for n, m in top.named_modules() if m is mod)
                 name = ".".join(s for s in (unit.name, path, attr) if s and s != "root")
                 raise RuntimeError(
                     f"'{name}' was replaced during forward (e.g. module.to(dtype) inside "

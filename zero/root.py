@@ -48,17 +48,20 @@ class Root:
         """All units under the root, the root first, named by their module paths."""
         if self._units is None:
             self._units = []
+            paths: dict = {}
             for path, mod in self.unit.module.named_modules():
                 unit = getattr(mod, "_zero_unit", None)
                 if unit is not None:
-                    unit.name = path or "root"
-                    self._units.append(unit)
+                    paths.setdefault(unit, []).append(path or "root")
+            for unit, names in paths.items():  # a unit of several modules: "tok_emb+head"
+                unit.name = "+".join(names)
+                self._units.append(unit)
         return self._units
 
     @property
     def guard(self) -> Guard:
         if self._guard is None:
-            self._guard = Guard([u for u in self.units if u.reshard_after_forward])
+            self._guard = Guard([u for u in self.units if not u.stage.keep_params])
         return self._guard
 
     # ---- the start of an iteration ---------------------------------------------------
@@ -122,16 +125,26 @@ class Root:
             self.last_order, self.order = self.order or self.last_order, []
         pos = len(self.order)
         self.order.append(unit)
-        nxt = self.last_order[pos + 1] if pos + 1 < len(self.last_order) else None
-        if nxt is not None and self.last_order[pos] is unit and not nxt.stage.keep_params:
-            nxt.unshard(phase="forward", async_op=True)
+        if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch
+            nexts = unit.forward_prefetch
+        else:
+            nxt = self.last_order[pos + 1] if pos + 1 < len(self.last_order) else None
+            nexts = [nxt] if nxt is not None and self.last_order[pos] is unit else []
+        for nxt in nexts:
+            if not nxt.stage.keep_params:
+                nxt.unshard(phase="forward", async_op=True)
 
     def backward_started(self, unit: "Unit") -> None:
         """``unit`` starts its backward: start gathering the unit that ran before it."""
         self.queue_final_callback()
-        idx = max((i for i, u in enumerate(self.order) if u is unit), default=0)
-        if idx > 0 and not self.order[idx - 1].stage.keep_params:
-            self.order[idx - 1].unshard(phase="backward", async_op=True)
+        if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            prevs = unit.backward_prefetch
+        else:
+            idx = max((i for i, u in enumerate(self.order) if u is unit), default=0)
+            prevs = [self.order[idx - 1]] if idx > 0 else []
+        for prev in prevs:
+            if not prev.stage.keep_params:
+                prev.unshard(phase="backward", async_op=True)
 
     def reduce(self, unit: "Unit") -> None:
         """Start ``unit``'s reduce-scatter, after the one in flight (at most one at a time)."""

@@ -27,7 +27,7 @@ from zero.unit import Unit
 
 
 def shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     stage: int = 3,
     group=None,
@@ -35,11 +35,15 @@ def shard(
     reshard_after_forward: bool | None = None,
     device: torch.device | str | None = None,
     broadcast_buffers: bool = False,
-) -> nn.Module:
+    ignored_params: set[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
     Args:
-        module: the module; its sub-modules already sharded stay their own units.
+        module: the module; its sub-modules already sharded stay their own units. A list of
+            modules makes one unit of all of them (FSDP2's ``fully_shard([a, b])``): an
+            embedding and the head tied to it, say; the unit is gathered from the first of
+            them to run forward until all have run.
         stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters). All units of one
             model use one stage.
         group: the process group (default: the world).
@@ -54,40 +58,53 @@ def shard(
         broadcast_buffers: the root only. Like DDP, copy rank 0's buffers (BatchNorm's
             running statistics) to every rank before each forward. False (FSDP2's way):
             each rank keeps its own buffers, which drift apart if forward updates them.
+        ignored_params: parameters to leave as they are: whole on every rank, not sharded,
+            their gradients not reduced (FSDP2's ``ignored_params``); keeping them in sync
+            is the caller's business. ``zero.clip_grad_norm_`` counts them once.
 
     Returns:
         ``module``, whose parameters are now this rank's pieces (same names). Build the
         optimizer after this call.
     """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    ignored = {id(p) for p in ignored_params or ()}
     agreed = ("the same model (same structure, shapes, dtypes, requires_grad) and call "
               "zero.shard in the same order, with the same arguments, on every rank")
     with comm.raising_together(group):
-        device = _device(module, group, device)
-        params, locations, children = _check(module, stage, mp_policy, reshard_after_forward)
-    desc = [type(module).__name__, stage, str(mp_policy), reshard_after_forward,
-            broadcast_buffers]
-    desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in _names(module, params)]
+        if not modules or not all(isinstance(m, nn.Module) for m in modules):
+            raise TypeError("zero.shard takes a module, or a non-empty list of modules")
+        device = _device(modules[0], group, device)
+        params, locations, children = _check(modules, stage, mp_policy, reshard_after_forward,
+                                             ignored)
+    names = _names(modules, params)
+    desc = [[type(m).__name__ for m in modules], stage, str(mp_policy), reshard_after_forward,
+            broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
+                                      if id(p) in ignored)]
+    desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
     comm.agree(f"shard {desc}", group=group, error=ValueError,
                fix=f"Ranks shard different modules: build {agreed}")
 
-    unit = Unit(module, params, locations, STAGES[stage], group, mp_policy,
+    unit = Unit(modules, params, locations, STAGES[stage], group, mp_policy,
                 reshard_after_forward, device)
     unit.broadcast_buffers = broadcast_buffers
     for child in children:
         if child.parent is None:
             child.parent = unit
-    outside.replace(params, unit, _names(module, params))
+    for p in ignored_params or ():
+        p._zero_ignored = True
+    outside.replace(params, unit, names)
     unit.use_sharded_params()
-    module._zero_unit = unit
-    module.register_forward_pre_hook(partial(hooks.pre_forward, unit), with_kwargs=True)
-    module.register_forward_hook(partial(hooks.post_forward, unit))
-    outside.install([module] + [mod for locs in locations for mod, _ in locs])
+    for m in modules:
+        m._zero_unit = unit
+        m.register_forward_pre_hook(partial(hooks.pre_forward, unit), with_kwargs=True)
+        m.register_forward_hook(partial(hooks.post_forward, unit))
+    outside.install(modules + [mod for locs in locations for mod, _ in locs])
     if unit.materialized:  # stages 1/2: every rank starts from the same full parameters
         unit.shard_changed(phase="init")
     return module
 
 
-def _check(module: nn.Module, stage: int, mp_policy, reshard_after_forward):
+def _check(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forward, ignored):
     """The local checks; returns the unit's parameters, their uses, and the units below."""
     if stage not in STAGES:
         raise ValueError(f"stage must be 1, 2 or 3 (ZeRO's three stages), got {stage!r}")
@@ -95,22 +112,24 @@ def _check(module: nn.Module, stage: int, mp_policy, reshard_after_forward):
         raise ValueError("reshard_after_forward only applies to stage 3; leave it None")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError("mp_policy must be a zero.MixedPrecision")
-    if getattr(module, "_zero_unit", None) is not None:
-        raise RuntimeError(
-            f"{type(module).__name__} is already sharded; call zero.shard once per module")
+    for module in modules:
+        if getattr(module, "_zero_unit", None) is not None:
+            raise RuntimeError(
+                f"{type(module).__name__} is already sharded; call zero.shard once per module")
 
-    children = [m._zero_unit for m in module.modules() if getattr(m, "_zero_unit", None)]
+    children = list({m._zero_unit: None for top in modules for m in top.modules()
+                     if getattr(m, "_zero_unit", None)})
     for child in children:
         if child.stage.number != stage:
             raise ValueError(
-                f"{type(child.module).__name__} is a stage-{child.stage.number} unit but this "
-                f"call asks for stage {stage}; use one stage for all units of a model")
-    params, locations = _own_parameters(module, children)
+                f"{child.name} is a stage-{child.stage.number} unit but this call asks for "
+                f"stage {stage}; use one stage for all units of a model")
+    params, locations = _own_parameters(modules, children, ignored)
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
-        names = {str(d): [n for n, p in _names(module, params) if p.dtype == d] for d in dtypes}
+        names = {str(d): [n for n, p in _names(modules, params) if p.dtype == d] for d in dtypes}
         raise ValueError(
-            f"one unit needs one dtype, but {type(module).__name__}'s parameters have "
+            f"one unit needs one dtype, but {type(modules[0]).__name__}'s parameters have "
             f"{names}; cast the module (module.to(dtype)) or shard the differing sub-modules "
             "as their own units first")
     return params, locations, children
@@ -126,40 +145,44 @@ def _device(module: nn.Module, group, device) -> torch.device:
     return torch.device(device) if device is not None else comm.default_device(group)
 
 
-def _own_parameters(module: nn.Module, children: list[Unit]):
-    """The parameters this unit takes (not owned below), each with every place it is used."""
-    inside = {u: {id(m) for m in u.module.modules()} for u in children}
+def _own_parameters(modules: list[nn.Module], children: list[Unit], ignored: set[int]):
+    """The parameters this unit takes (not owned below, not ignored), each with every place
+    it is used."""
+    inside = {u: {id(m) for top in u.modules for m in top.modules()} for u in children}
     found: dict[int, tuple[nn.Parameter, list]] = {}
-    for mod_name, mod in module.named_modules():
-        for attr, p in mod._parameters.items():
-            if p is None:
-                continue
-            owner = getattr(p, "_zero_unit", None)
-            if getattr(p, "_zero_replaced", None) is not None:  # tied to a unit's original
-                raise _shared_error(f"{mod_name}.{attr}", p._zero_replaced)
-            if owner is None:
-                found.setdefault(id(p), (p, []))[1].append((mod, attr))
-            elif owner not in inside:
-                raise RuntimeError(
-                    f"'{mod_name}.{attr}' already belongs to a unit above "
-                    f"{type(module).__name__}: zero.shard was called on a parent before this "
-                    "child. Shard bottom-up: children first, then their parents")
-            elif id(mod) not in inside[owner]:
-                raise _shared_error(f"{mod_name}.{attr}", owner)
+    for top in modules:
+        for mod_name, mod in top.named_modules():
+            for attr, p in mod._parameters.items():
+                if p is None or id(p) in ignored or getattr(p, "_zero_ignored", False):
+                    continue
+                owner = getattr(p, "_zero_unit", None)
+                if getattr(p, "_zero_replaced", None) is not None:  # tied to a unit's original
+                    raise _shared_error(f"{mod_name}.{attr}", p._zero_replaced)
+                if owner is None:
+                    found.setdefault(id(p), (p, []))[1].append((mod, attr))
+                elif owner not in inside:
+                    raise RuntimeError(
+                        f"'{mod_name}.{attr}' already belongs to a unit above "
+                        f"{type(top).__name__}: zero.shard was called on a parent before this "
+                        "child. Shard bottom-up: children first, then their parents")
+                elif id(mod) not in inside[owner]:
+                    raise _shared_error(f"{mod_name}.{attr}", owner)
     params = [p for p, _ in found.values()]
     return params, [locs for _, locs in found.values()]
 
 
 def _shared_error(name: str, owner: Unit) -> ValueError:
     return ValueError(
-        f"parameter '{name}' is shared with the unit {type(owner.module).__name__}, which "
+        f"parameter '{name}' is shared with the unit {owner.name}, which "
         "does not contain this use of it. A shared (tied) parameter must live in one unit: "
         "do not shard a module holding only some of its users; shard a common parent instead")
 
 
-def _names(module: nn.Module, params):
+def _names(modules: list[nn.Module], params):
     ids = {id(p) for p in params}
-    return [(n, p) for n, p in module.named_parameters() if id(p) in ids]
+    prefix = len(modules) > 1  # "0.weight", "1.weight": which module of the list
+    return [(f"{i}.{n}" if prefix else n, p) for i, m in enumerate(modules)
+            for n, p in m.named_parameters() if id(p) in ids]
 
 
 # ---- model-level helpers -----------------------------------------------------------------------
@@ -167,7 +190,7 @@ def _names(module: nn.Module, params):
 
 def units_of(model: nn.Module) -> list[Unit]:
     """The units in ``model``, in module order (the same order on every rank)."""
-    units = [m._zero_unit for m in model.modules() if getattr(m, "_zero_unit", None)]
+    units = list({m._zero_unit: None for m in model.modules() if getattr(m, "_zero_unit", None)})
     if not units:
         raise ValueError(f"{type(model).__name__} has no unit: call zero.shard on it first")
     return units

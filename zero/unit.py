@@ -48,10 +48,11 @@ from zero.root import Root
 class Unit(GradientMixin):
     """The sharded state and the hooks of one ``zero.shard``-ed module (see the module note)."""
 
-    def __init__(self, module, params, locations, stage, group, mp_policy, reshard_after_forward,
+    def __init__(self, modules, params, locations, stage, group, mp_policy, reshard_after_forward,
                  device):
-        self.module = module
-        self.name = type(module).__name__  # the root renames its units by their paths
+        self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
+        self.module = modules[0]
+        self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
         self.stage = stage
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -98,6 +99,9 @@ class Unit(GradientMixin):
         self.forward_calls = 0  # forwards this iteration
         self.inputs_done = False  # backward has computed the gradients of the unit's inputs
         self.reshard_after_backward = True  # False: keep gathered for the next micro-batch
+        self.pinned = False  # zero.unshard(module): gathered until zero.reshard(module)
+        self.forward_prefetch: list[Unit] | None = None  # explicit lists (zero/controls.py);
+        self.backward_prefetch: list[Unit] | None = None  # None: the root's implicit order
         self._pending: Any = None  # an all-gather in flight
         self.is_unsharded = stage.keep_params
         self._seen_version = self.sharded._version  # what the full parameters were made from
@@ -159,8 +163,9 @@ class Unit(GradientMixin):
         return self.sharded._version != self._seen_version
 
     def reshard(self) -> None:
-        """Stage 3: give the full parameters' memory back; stages 1/2 keep them."""
-        if self.stage.keep_params or not self.is_unsharded:
+        """Stage 3: give the full parameters' memory back; stages 1/2 keep them (and so does a
+        unit pinned by ``zero.unshard``)."""
+        if self.stage.keep_params or self.pinned or not self.is_unsharded:
             return
         self.wait_unshard()
         self._free_unsharded()
@@ -175,7 +180,7 @@ class Unit(GradientMixin):
         unit whose shard was written (``shard_written``); whoever writes ``sharded`` must
         first call ``wait_unshard()`` (a stage 1/2 gather may still be reading it)."""
         self.materialized = True
-        if self.stage.keep_params:
+        if self.stage.keep_params or (self.pinned and self.is_unsharded):
             self.wait_unshard()
             self._gather(phase=phase, async_op=True)
         else:

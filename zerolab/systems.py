@@ -82,7 +82,7 @@ class System:
             self.opt = make_optimizer(opt, named, zro=kind == "ddp+zro")
             return
         # Units the model wants computed in fp32 whatever the policy (a router that casts itself)
-        fp32_units = set(getattr(model, "fp32_units", list)())
+        fp32_units = getattr(model, "fp32_units", list)()
         if kind.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -95,14 +95,14 @@ class System:
             for unit in model.units():
                 kw = {} if (reshard_after_forward is None or unit is model) else {
                     "reshard_after_forward": reshard_after_forward}
-                fp32 = unit in fp32_units
+                fp32 = any(unit is m for m in fp32_units)
                 unit_policy = MixedPrecisionPolicy() if fp32 else policy
                 fully_shard(unit, mesh=mesh, mp_policy=unit_policy, **kw)
         else:
             policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
             for unit in model.units():
                 rafa = reshard_after_forward if unit is not model else None
-                unit_policy = None if unit in fp32_units else policy
+                unit_policy = None if any(unit is m for m in fp32_units) else policy
                 zero.shard(unit, stage=int(kind[-1]), mp_policy=unit_policy,
                            reshard_after_forward=rafa)
         self.model = model

@@ -1,0 +1,106 @@
+"""FSDP2's controls, with FSDP2's names and meaning: functions of the sharded module.
+
+FSDP2 makes them methods of the module (``model.unshard()``); here the module is the first
+argument (``zero.unshard(model)``), because zero does not change your module's class.
+
+    zero.unshard(module, async_op=False)    gather a unit and keep it gathered (an eval loop)
+    zero.reshard(module)                    free it again (stage 3), let the hooks decide
+    zero.set_modules_to_forward_prefetch(module, [m1, m2])    explicit prefetch, forward
+    zero.set_modules_to_backward_prefetch(module, [m1, m2])   and backward
+    zero.set_reshard_after_forward(module, False)             keep a unit between forward and
+                                                              backward (torchtitan's last block)
+    zero.set_reshard_after_backward(module, False)            keep units gathered across
+                                                              gradient-accumulation micro-batches
+    zero.set_requires_gradient_sync(module, False)            ``no_sync`` without a context
+
+One difference, on purpose: FSDP2's ``unshard()`` only gathers (the next forward's hooks
+reshard as usual); ours also *pins* the unit, so that a loop of forwards, evaluation or
+generation, runs on gathered parameters without a gather per forward, until ``reshard``.
+An optimizer step meanwhile re-gathers the pinned unit from its new shard at the next forward.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from zero.shard import units_of
+
+
+def _unit(module: nn.Module):
+    unit = getattr(module, "_zero_unit", None)
+    if unit is None:
+        raise ValueError(f"{type(module).__name__} is not a unit: call zero.shard on it first "
+                         "(these controls act on the module zero.shard was given)")
+    return unit
+
+
+def _units(module: nn.Module, recurse: bool) -> list:
+    return units_of(module) if recurse else [_unit(module)]
+
+
+class UnshardHandle:
+    """What ``unshard(module, async_op=True)`` returns: ``wait()`` ends the gather."""
+
+    def __init__(self, unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_unshard()
+
+
+def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
+    """Gather ``module``'s unit (not the units below it, as in FSDP2) and keep it gathered
+    until ``reshard(module)``. With ``async_op`` the gather is started and a handle returned."""
+    unit = _unit(module)
+    unit.pinned = True
+    unit.unshard(phase="other", async_op=True)
+    handle = UnshardHandle(unit)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def reshard(module: nn.Module) -> None:
+    """Unpin ``module``'s unit and, at stage 3, free its full parameters now."""
+    unit = _unit(module)
+    unit.pinned = False
+    unit.reshard()
+
+
+def set_modules_to_forward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
+    """When ``module``'s unit starts its forward, start gathering these units (in this order),
+    instead of the one that ran next last iteration."""
+    _unit(module).forward_prefetch = [_unit(m) for m in modules]
+
+
+def set_modules_to_backward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
+    """When backward reaches ``module``'s unit, start gathering these units, instead of the
+    one that ran before it in forward."""
+    _unit(module).backward_prefetch = [_unit(m) for m in modules]
+
+
+def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,
+                              recurse: bool = True) -> None:
+    """Stage 3: free the parameters after forward (True) or keep them for backward (False)."""
+    for unit in _units(module, recurse):
+        if unit.stage.keep_params:
+            raise ValueError("reshard_after_forward only applies to stage 3: stages 1 and 2 "
+                             "always keep their full parameters")
+        unit._reshard_after_forward = reshard_after_forward
+
+
+def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool,
+                               recurse: bool = True) -> None:
+    """Stage 3: free the parameters after backward (True), or keep them gathered, so that the
+    next micro-batch's forward needs no all-gather (False; set True for the last one)."""
+    for unit in _units(module, recurse):
+        unit.reshard_after_backward = reshard_after_backward
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool,
+                               recurse: bool = True) -> None:
+    """Reduce gradients at the end of each backward (True), or accumulate them unsynced
+    (False), as ``zero.no_sync`` does for the duration of a ``with`` block."""
+    for unit in _units(module, recurse):
+        unit.requires_grad_sync = requires_gradient_sync
