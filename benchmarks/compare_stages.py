@@ -31,7 +31,8 @@ from argtypes import comma_list, int_in, output_file, positive_int  # noqa: E402
 import zero  # noqa: E402
 from zero.memory import model_state_bytes  # noqa: E402
 from zerolab.measure import CommBytes  # noqa: E402
-from zerolab.trackers import PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker  # noqa: E402
+from zerolab.trackers import (  # noqa: E402
+    MODEL_STATES, MODEL_STATES_AND_COMM, PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker)
 from zerolab.models import GPT, GPTConfig  # noqa: E402
 from zerolab.systems import KINDS, System  # noqa: E402
 
@@ -91,7 +92,8 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "ledger": ledger.sent_bytes(),
         "memory": {getattr(k, "value", k): v for k, v in peak_snapshot.items()},
         "peaks": {getattr(k, "value", k): v for k, v in mem.category_peaks.get(device, {}).items()},
-        "model_states_peak": mem.category_peaks.get(device, {}).get("Model states", 0),
+        "model_states_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES, 0),
+        "with_comm_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES_AND_COMM, 0),
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_time": statistics.median(times) if times else None,
     }
@@ -103,7 +105,8 @@ def _tracker(kind, system):
     if kind.startswith("fsdp2"):
         return PeakFSDPMemTracker(system.model, system.opt)
     mt = PeakMemTracker()
-    mt.track_external(system.model, system.opt)
+    # ZeroRedundancyOptimizer keeps this rank's state in the optimizer it wraps
+    mt.track_external(system.model, getattr(system.opt, "optim", system.opt))
     return mt
 
 
@@ -119,9 +122,12 @@ def run_system(kind: str, args) -> dict:
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = run_ranks(_quiet_measure, args.world_size, kind, args, timeout=600, backend=backend)
-    out = results[0]
+    # Memory per rank is the largest rank's: ranks need not hold the same (torch's
+    # ZeroRedundancyOptimizer gives whole parameters to ranks, unevenly).
+    out = max(results, key=lambda r: r["model_states_peak"])
     out["losses_all_ranks"] = [r["losses"] for r in results]
-    out["rss"] = max(r["rss"] for r in results)
+    for key in ("rss", "with_comm_peak"):
+        out[key] = max(r[key] for r in results)
     return out
 
 

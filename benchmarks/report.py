@@ -42,12 +42,14 @@ def _mib(x: float) -> str:
 
 def memory_table(rows, n, stage_of) -> list[str]:
     out = ["| system | " + " | ".join(CATEGORIES) + " | peak total | model states peak "
-           "| paper fp32 | paper mixed (K=12) | peak RSS |", "|---" * (len(CATEGORIES) + 7) + "|"]
+           "| + comm buffers | paper fp32 | paper mixed (K=12) | peak RSS |",
+           "|---" * (len(CATEGORIES) + 8) + "|"]
     for r in rows:
         cats = [sum(r["peaks"].get(c, 0) for c in names) for names in CATEGORIES.values()]
         stage = stage_of[r["kind"]]
         out.append(f"| {r['kind']} | " + " | ".join(_mib(c) for c in cats) +
                    f" | {_mib(r['memory'].get('Total', 0))} | {_mib(r['model_states_peak'])} "
+                   f"| {_mib(r['with_comm_peak'])} "
                    f"| {_mib(model_state_bytes(r['psi'], n, stage, False))} "
                    f"| {_mib(model_state_bytes(r['psi'], n, stage, True))} | {_mib(r['rss'])} |")
     return out
@@ -132,7 +134,7 @@ def write(rows, args, argv, stage_of) -> None:
         head += [f"- model: GPT, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
                  f"batch {args.batch} per rank, Ψ = {psi:,} parameters; AdamW, "
                  f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]
-        body = ["", "## Memory per rank (MiB; MemTracker: each category's own peak, then the peak total)", "",
+        body = ["", "## Memory per rank (MiB; the largest rank; MemTracker: each category's own peak, then the peak total)", "",
                 *memory_table(rows, n, stage_of), "",
                 "## Bytes sent per rank per step (MiB; CommDebugMode, ring accounting)", "",
                 *traffic_table(rows, n, stage_of)]

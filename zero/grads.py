@@ -4,8 +4,8 @@ A unit's gradient takes one road (``Unit`` in ``zero/unit.py`` is the parameter 
 
     autograd -> unsharded.grad (N*S,)     the full flat gradient, complete at post-backward
              -> [no_sync: kept, summed over micro-batches in reduce_dtype]
-             -> reduce-scatter (avg)       (N*S,) on every rank -> (S,): our slice of the mean
-                                           (stage 1, fp32: into our own slot of the full gradient)
+             -> reduce-scatter (avg)       (N*S,) on every rank -> (S,): our slice of the mean,
+                                           in place, into our own slot of the full gradient
              -> p.grad for each parameter  a 1-D view of our piece of the reduced shard
 
 Stages 2/3 start the reduce-scatter the moment a unit's gradient is complete (one in
@@ -44,7 +44,7 @@ class GradientMixin:
 
     def init_gradients(self) -> None:
         self._unsynced: torch.Tensor | None = None
-        self._reduction: Any = None  # (work, full gradient kept alive, shard)
+        self._reduction: Any = None  # (work, full gradient, post-divide, keep the full one)
         self._grad_shard: torch.Tensor | None = None
         self._used = [False] * len(self.params)
         self._zero_markers: dict = {}  # param index -> the zero .grad a no_sync backward left
@@ -81,27 +81,26 @@ class GradientMixin:
             return
         kept = not self.stage.reduce_each_unit and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
-        if kept and grad.dtype == self.sharded.dtype:
-            # Stage 1 keeps every full gradient until the step anyway: reduce into our own
-            # slot of it, and the shard costs no memory of its own (gradients: Ψ, as in DDP).
-            # (Not into an upcast copy: that would keep the whole copy alive for one slot.)
-            shard = grad[self._slot]
-        else:  # stages 2/3 free the full gradient: the shard needs its own Ψ/N
-            shard = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         pre, post = divide_factors(grad.dtype, self.world_size)
         if pre is not None:
             grad.div_(pre)  # fp16: half of the mean's division before the sum, half after
-        work = comm.reduce_scatter(shard, grad, op="avg" if pre is None else "sum",
+        # In place: our slice of the mean lands in our own slot of the full gradient, so while
+        # the collective runs the unit holds one buffer, not the full gradient and a shard.
+        work = comm.reduce_scatter(grad[self._slot], grad, op="avg" if pre is None else "sum",
                                    group=self.group, unit=self.name, phase="backward",
                                    async_op=True)
-        self._reduction = (work, grad, shard, post)  # grad lives until the collective is done
+        # Stage 1 keeps every full gradient until the step anyway (gradients: Ψ, as in DDP);
+        # stages 2/3 copy the slot out when it arrives and free the rest (not an upcast copy:
+        # keeping it for one slot would cost the whole copy).
+        self._reduction = (work, grad, post, kept and grad.dtype == self.sharded.dtype)
 
     def wait_reduce(self) -> None:
         if self._reduction is None:
             return
-        work, _, shard, post = self._reduction
+        work, grad, post, keep = self._reduction
         work.wait()
-        self._reduction = None  # the full gradient is freed here
+        self._reduction = None
+        shard = grad[self._slot] if keep else grad[self._slot].clone()  # frees the full one
         if post is not None and post != 1:
             shard.div_(post)
         self._grad_shard = shard  # one reduction per backward; assign_grads hands it out

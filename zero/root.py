@@ -9,9 +9,10 @@ FSDP2 has the same idea (its root state). Only the root can
   computes, the *next* unit's all-gather is already running (in backward: the previous
   unit's), so at most two units are unsharded at once besides any that keep their
   parameters (the root, by default);
-- bound the reduce-scatters in flight during backward to one, so that at most two units'
-  full gradients are alive while backward goes on (stage 1, which keeps every full
-  gradient until the end anyway, lets them all go at once there);
+- bound the reduce-scatters in flight during backward to one, ended before the next unit's
+  gradient begins, so that one unit's full gradient is alive at a time besides the shards
+  (stage 1, which keeps every full gradient until the end anyway, lets them all go at once
+  there);
 - queue one callback for the end of backward that finishes every unit: stage 1's
   reduce-scatters, agreeing on which parameters got a gradient, handing the gradient
   shards to the parameters, and freeing stage 3's parameters.
@@ -137,6 +138,11 @@ class Root:
     def backward_started(self, unit: "Unit") -> None:
         """``unit`` starts its backward: start gathering the unit that ran before it."""
         self.queue_final_callback()
+        if self._reducing is not None and unit.stage.reduce_each_unit:
+            # The previous unit's reduce-scatter ends before this unit's gradient begins:
+            # then at most one full gradient is alive, besides the one being formed.
+            self._reducing.wait_reduce()
+            self._reducing = None
         if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch
             prevs = unit.backward_prefetch
         else:

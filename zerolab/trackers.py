@@ -25,13 +25,26 @@ _COPY = torch.ops.aten._to_copy.default
 
 
 # Categories that are model states, in MemTracker's and FSDPMemTracker's names.
-MODEL_STATE_CATEGORIES = {"Parameter", "Gradient", "Optstate", "Sharded Param", "Unsharded Param",
-                          "Sharded Grad", "Unsharded Grad", "OptState"}
+OPTIMIZER_CATEGORIES = {"Optstate", "OptState"}
+MODEL_STATE_CATEGORIES = {"Parameter", "Gradient", "Sharded Param", "Unsharded Param",
+                          "Sharded Grad", "Unsharded Grad", *OPTIMIZER_CATEGORIES}
+COMM_CATEGORIES = {"All Gather", "Reduce Scatter"}  # FSDP2's copies of units in flight
 MODEL_STATES = "Model states"  # the key of the peak of parameters + gradients + optimizer state
+MODEL_STATES_AND_COMM = "Model states + comm buffers"
 
 
 class CategoryPeaks:
-    """Mixin for any MemTracker: ``category_peaks[device][category]``, each category's own peak.
+    """Mixin for any MemTracker: ``category_peaks[device][category]``, each category's own peak,
+    and two peaks that compare systems alike:
+
+    - ``MODEL_STATES``: parameters + gradients + optimizer *state*, the ZeRO paper's model
+      states. While ``optimizer.step()`` runs, the optimizer category also holds the step's
+      temporaries (AdamW's denominators); those are not state, so the peak keeps counting the
+      optimizer state as it was when the step began.
+    - ``MODEL_STATES_AND_COMM``: the same plus FSDP2's communication buffers, which hold the
+      units it has in flight (all-gather outputs, reduce-scatter inputs). Ours gather into and
+      reduce out of the parameter and gradient storage itself, so our units in flight are in
+      the first peak already; FSDPMemTracker files FSDP2's here.
 
     MemTracker's own peak is one snapshot, taken at the moment of the largest *total*; the
     question "how many gradient bytes at most?" needs each category's maximum over time.
@@ -40,15 +53,24 @@ class CategoryPeaks:
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.category_peaks: dict[torch.device, dict[Any, int]] = {}
+        self._optimizer_state: dict[torch.device, int] = {}  # outside the step
 
     def _update_snap(self, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(*args, **kwargs)
         for dev, snap in self._curr_mem_snap.items():
             peaks = self.category_peaks.setdefault(dev, {})
+            by_name = {getattr(c, "value", c): v for c, v in snap.items()}
             for cat, nbytes in snap.items():
                 peaks[cat] = max(peaks.get(cat, 0), nbytes)
-            states = sum(v for c, v in snap.items() if getattr(c, "value", c) in MODEL_STATE_CATEGORIES)
+            opt = sum(v for c, v in by_name.items() if c in OPTIMIZER_CATEGORIES)
+            if not self._in_opt:
+                self._optimizer_state[dev] = opt
+            states = sum(v for c, v in by_name.items()
+                         if c in MODEL_STATE_CATEGORIES and c not in OPTIMIZER_CATEGORIES)
+            states += self._optimizer_state.get(dev, opt)
+            comm = sum(v for c, v in by_name.items() if c in COMM_CATEGORIES)
             peaks[MODEL_STATES] = max(peaks.get(MODEL_STATES, 0), states)
+            peaks[MODEL_STATES_AND_COMM] = max(peaks.get(MODEL_STATES_AND_COMM, 0), states + comm)
 
 
 class PeakMemTracker(CategoryPeaks, MemTracker):
@@ -98,9 +120,12 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
             if unit.unsharded.requires_grad:  # the flat gradient, before it is accumulated
                 self._handles.append(unit.unsharded.register_hook(partial(self._tag_grad, unit)))
             # (a unit whose parameters are all frozen has no flat gradient to tag)
+            unit.wait_reduce = partial(self._tag_shard, unit, unit.wait_reduce)
         return self
 
     def __exit__(self, *args: Any) -> None:
+        for unit in units_of(self._model):
+            del unit.wait_reduce  # the method again
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -121,6 +146,11 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         return total(module.parameters(), _MemRefType.PARAM), total(module.buffers(),
                                                                     _MemRefType.BUFFER)
 
+    def _tag_shard(self, unit, wait_reduce) -> None:
+        wait_reduce()  # the reduced shard (what the parameters' .grad will view) is a state
+        if unit._grad_shard is not None:
+            self._tag(unit._grad_shard, _MemRefType.GRAD, transient=False)
+
     def _tag_grad(self, unit, grad: torch.Tensor) -> None:
         # Stages 2/3 reduce a unit's full gradient and free it during backward: transient.
         self._tag(grad, _MemRefType.GRAD, transient=unit.stage.reduce_each_unit)
@@ -139,10 +169,8 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         res = super().__torch_dispatch__(func, types, args, kwargs)
         if func is _COPY and self._is_transient(args[0]):  # an upcast of a unit's gradient
             self._tag(res, _MemRefType.TEMP, transient=True)
-        if func is _RS:  # its output is a gradient shard (what the parameters' .grad view)
-            self._tag(args[0], _MemRefType.GRAD, transient=False)
-            if not self._is_grad(args[1]):  # a buffer made for the collective (upcast)
-                self._tag(args[1], _MemRefType.TEMP, transient=True)
+        if func is _RS and not self._is_grad(args[1]):  # a buffer made for it (upcast)
+            self._tag(args[1], _MemRefType.TEMP, transient=True)
         return res
 
     def _update_peak_stats(self, peak_state) -> None:
