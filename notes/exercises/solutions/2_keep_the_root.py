@@ -1,0 +1,93 @@
+"""Solution to exercise 2: keep the root's parameters for backward.  (check.py 2)
+
+A copy of road step 4 (ZeRO-3). The root's forward ends last (it holds the blocks), so its
+backward begins first: the head needs the root's parameters at once. Freeing them after
+forward only to gather them again at the start of backward costs the root's share of Ψ.
+Keep the root's full parameters from its forward to the end of its backward (FSDP2 does
+this by default; zero.shard's reshard_after_forward), and free every other unit as before.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero import comm
+from zero.flat import FlatLayout
+
+
+class Gather(torch.autograd.Function):
+    """A unit's full flat parameter in forward; its full flat gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, shard, unit):
+        ctx.unit = unit
+        unit.gather("forward")
+        return unit.full
+
+    @staticmethod
+    def backward(ctx, full_grad):
+        ctx.unit.reduce(full_grad)  # now; then full_grad is dropped: we keep our slice only
+        ctx.unit.free()  # backward is done with the unit's parameters
+        return None, None  # the shard's gradient is set by reduce()
+
+
+class Unit:
+    """Some modules' parameters as one flat parameter, of which this rank keeps a slice."""
+
+    def __init__(self, name, module, modules, units):
+        self.name, self.units = name, units
+        self.uses, params = [], {}  # (module, attribute, index): a tied parameter has two uses
+        for mod in modules:
+            for attr, p in list(mod._parameters.items()):
+                if p is not None:
+                    self.uses.append((mod, attr, params.setdefault(p, len(params))))
+                    del mod._parameters[attr]  # the module gets a view each forward instead
+        self.layout = FlatLayout([p.shape for p in params], dist.get_world_size())
+        flat = self.layout.flatten(list(params)).detach()
+        s, r = self.layout.shard_numel, dist.get_rank()
+        self.shard = nn.Parameter(flat[r * s : (r + 1) * s].clone())  # what the optimizer steps
+        module.register_parameter("flat_shard", self.shard)
+        self.full = None
+        module.register_forward_pre_hook(self.pre_forward)
+        module.register_forward_hook(self.post_forward)
+
+    def pre_forward(self, module, args):
+        views = self.layout.views(Gather.apply(self.shard, self))
+        for mod, attr, i in self.uses:
+            setattr(mod, attr, views[i])  # the module computes with views of the full buffer
+
+    def post_forward(self, module, args, output):
+        if self is self.units[-1]:
+            return  # the root: its backward comes first, and Gather.backward frees it after
+        self.free()
+        output.register_hook(lambda grad: self.gather("backward"))  # before the unit's backward
+
+    def gather(self, phase):
+        if phase == "forward":
+            self.full = self.shard.new_empty(self.layout.padded_numel)
+        else:  # refill the storage that free() emptied
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        # (S,) on every rank -> (N*S,) on every rank, rank r's shard at [r*S, (r+1)*S).
+        # Into .data: autograd refuses saved views after a write it sees; this one restores them
+        comm.all_gather(self.full.data, self.shard.detach(), unit=self.name, phase=phase)
+
+    def free(self):
+        """Give back the full parameters' bytes; views of them (saved by autograd) stay valid."""
+        self.full.untyped_storage().resize_(0)
+
+    def reduce(self, full_grad):
+        self.shard.grad = torch.empty_like(self.shard)
+        # (N*S,) on every rank -> (S,): this rank's slice of the mean over ranks
+        comm.reduce_scatter(self.shard.grad, full_grad, op="avg", unit=self.name, phase="backward")
+
+
+def shard(model, blocks):
+    """A unit per block, and one for the rest of the model; returns them, blocks first."""
+    names = {m: n for n, m in model.named_modules()}
+    in_blocks = {m for block in blocks for m in block.modules()}
+    units = []
+    for block in blocks:
+        units.append(Unit(names[block], block, list(block.modules()), units))
+    units.append(Unit("root", model, [m for m in model.modules() if m not in in_blocks], units))
+    return units
+

@@ -1,0 +1,119 @@
+"""Solution to exercise 4: one reduce-scatter in flight.  python notes/exercises/check.py 4
+
+A copy of road step 5 (ZeRO-3 with prefetching). Its reduce-scatters are synchronous: each
+unit's backward waits until its gradient is reduced, while the CPU/GPU could compute the next
+unit's. Start each reduce-scatter asynchronously and let backward go on; keep at most one in
+flight (wait for the previous one before starting the next: a full gradient then lives one
+unit longer, the price of the overlap), and wait for the last before backward ends: the
+root's gradient is the last to complete. zero/root.py's Root.reduce does this.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero import comm
+from zero.flat import FlatLayout
+
+
+class Gather(torch.autograd.Function):
+    """A unit's full flat parameter in forward; its full flat gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, shard, unit):
+        ctx.unit = unit
+        unit.unshard("forward")
+        return unit.full
+
+    @staticmethod
+    def backward(ctx, full_grad):
+        for unit in ctx.unit.units:
+            unit.wait_reduce()  # at most one in flight: finish the previous one first
+        ctx.unit.reduce(full_grad)
+        if ctx.unit is ctx.unit.units[-1]:
+            ctx.unit.wait_reduce()  # the root's gradient is the last: done before the step
+        ctx.unit.free()  # backward is done with the unit's parameters
+        return None, None  # the shard's gradient is set by reduce()
+
+
+class Unit:
+    """Some modules' parameters as one flat parameter, of which this rank keeps a slice."""
+
+    def __init__(self, name, module, modules, units):
+        self.name, self.units = name, units
+        self.uses, params = [], {}  # (module, attribute, index): a tied parameter has two uses
+        for mod in modules:
+            for attr, p in list(mod._parameters.items()):
+                if p is not None:
+                    self.uses.append((mod, attr, params.setdefault(p, len(params))))
+                    del mod._parameters[attr]  # the module gets a view each forward instead
+        self.layout = FlatLayout([p.shape for p in params], dist.get_world_size())
+        flat = self.layout.flatten(list(params)).detach()
+        s, r = self.layout.shard_numel, dist.get_rank()
+        self.shard = nn.Parameter(flat[r * s : (r + 1) * s].clone())  # what the optimizer steps
+        module.register_parameter("flat_shard", self.shard)
+        self.full, self.pending, self.next = None, None, {}  # next: {phase: unit after this}
+        self.reducing = None  # (the reduce-scatter in flight, the full gradient it reads)
+        module.register_forward_pre_hook(self.pre_forward)
+        module.register_forward_hook(self.post_forward)
+
+    def pre_forward(self, module, args):
+        views = self.layout.views(Gather.apply(self.shard, self))
+        for mod, attr, i in self.uses:
+            setattr(mod, attr, views[i])  # the module computes with views of the full buffer
+
+    def post_forward(self, module, args, output):
+        self.free()
+        output.register_hook(lambda grad: self.unshard("backward"))  # before the unit's backward
+
+    def unshard(self, phase):
+        """Gather (unless a prefetch did), start gathering the next unit, wait for ours."""
+        if self.pending is None:
+            self.gather(phase)
+        nxt = self.next.get(phase)
+        if nxt is not None and nxt.pending is None:
+            nxt.gather(phase)  # a prefetch: it runs while this unit computes
+        self.pending.wait()
+        self.pending = None
+
+    def gather(self, phase):
+        if phase == "forward":
+            self.full = self.shard.new_empty(self.layout.padded_numel)
+        else:  # refill the storage that free() emptied
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        # (S,) on every rank -> (N*S,) on every rank, rank r's shard at [r*S, (r+1)*S).
+        # Into .data: autograd refuses saved views after a write it sees; this one restores them
+        self.pending = comm.all_gather(self.full.data, self.shard.detach(), unit=self.name,
+                                       phase=phase, async_op=True)
+
+    def free(self):
+        """Give back the full parameters' bytes; views of them (saved by autograd) stay valid."""
+        self.full.untyped_storage().resize_(0)
+
+    def reduce(self, full_grad):
+        self.shard.grad = torch.empty_like(self.shard)
+        # (N*S,) on every rank -> (S,): this rank's slice of the mean over ranks; full_grad
+        # is kept until it is done (the collective reads it)
+        self.reducing = (comm.reduce_scatter(self.shard.grad, full_grad, op="avg", unit=self.name,
+                                             phase="backward", async_op=True), full_grad)
+
+    def wait_reduce(self):
+        if self.reducing is not None:
+            self.reducing[0].wait()
+            self.reducing = None  # the full gradient is freed here
+
+
+def shard(model, blocks):
+    """A unit per block, and one for the rest of the model; returns them, blocks first."""
+    names = {m: n for n, m in model.named_modules()}
+    in_blocks = {m for block in blocks for m in block.modules()}
+    units = []
+    for block in blocks:
+        units.append(Unit(names[block], block, list(block.modules()), units))
+    units.append(Unit("root", model, [m for m in model.modules() if m not in in_blocks], units))
+    root, blocks = units[-1], units[:-1]  # the model runs its blocks in order
+    for phase, order in (("forward", [root, *blocks]), ("backward", [root, *blocks[::-1]])):
+        for unit, nxt in zip(order, order[1:]):
+            unit.next[phase] = nxt
+    return units
+
