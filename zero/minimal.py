@@ -23,7 +23,7 @@ Limits: one forward and one backward per step; every parameter trained and used;
 out of each unit. The full package (``zero/unit.py``) computes the same bits and does more:
 its full flat parameter is an autograd leaf whose post-accumulate-grad hook marks the
 gradient complete, because that leaf also sums ``no_sync`` micro-batches and holds frozen
-parameters; parameters keep their names; it prefetches, overlaps reduce-scatters, keeps the
+parameters; parameters keep their names; it prefetches, reduces asynchronously, keeps the
 root gathered for backward, casts (mixed precision), makes ranks agree before they could
 hang, and survives activation checkpointing, failed iterations and checkpoints.
 """

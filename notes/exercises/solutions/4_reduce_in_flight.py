@@ -5,7 +5,8 @@ unit's backward waits until its gradient is reduced, while the CPU/GPU could com
 unit's. Start each reduce-scatter asynchronously and let backward go on; keep at most one in
 flight (wait for the previous one before starting the next: a full gradient then lives one
 unit longer, the price of the overlap), and wait for the last before backward ends: the
-root's gradient is the last to complete. zero/root.py's Root.reduce does this.
+root's gradient is the last to complete. FSDP2 does this by default (each unit's
+post-backward waits for the previous reduce-scatter); zero/root.py ends each one sooner.
 """
 
 import torch
