@@ -22,6 +22,7 @@ from zero.shard import units_of
 
 _RS = torch.ops.c10d._reduce_scatter_base_.default
 _COPY = torch.ops.aten._to_copy.default
+_CLONE = torch.ops.aten.clone.default
 
 
 # Categories that are model states, in MemTracker's and FSDPMemTracker's names.
@@ -169,6 +170,8 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         res = super().__torch_dispatch__(func, types, args, kwargs)
         if func is _COPY and self._is_transient(args[0]):  # an upcast of a unit's gradient
             self._tag(res, _MemRefType.TEMP, transient=True)
+        if func is _CLONE and self._is_transient(args[0]) and self._is_grad(args[0]):
+            self._tag(res, _MemRefType.GRAD, transient=False)  # a shard copied out of it
         if func is _RS and not self._is_grad(args[1]):  # a buffer made for it (upcast)
             self._tag(args[1], _MemRefType.TEMP, transient=True)
         return res
