@@ -1,4 +1,4 @@
-"""Training with each stage equals DDP and FSDP2, step by step (shared/DESIGN.md's contract).
+"""Training with each stage equals DDP and FSDP2, step by step (notes/05-equality.md).
 
 World size 2 is bitwise (``torch.equal`` after every step, and our shard's optimizer state
 equals the matching slice of DDP's); world sizes 3 and 4 agree to the reduction-order bound
