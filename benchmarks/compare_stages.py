@@ -29,15 +29,17 @@ import report  # noqa: E402  (benchmarks/report.py: tables, results file, plots)
 from argtypes import comma_list, int_in, output_file, positive_int  # noqa: E402
 
 import zero  # noqa: E402
-from zero.memory import model_state_bytes  # noqa: E402
+from zero.memory import model_state_bytes, schedule  # noqa: E402
 from zerolab.measure import CommBytes  # noqa: E402
 from zerolab.trackers import (  # noqa: E402
     MODEL_STATES, MODEL_STATES_AND_COMM, PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker)
-from zerolab.models import GPT, GPTConfig  # noqa: E402
+from zerolab.models import GPT, GPTConfig, LoRAStack  # noqa: E402
 from zerolab.systems import KINDS, System  # noqa: E402
 
 # ---- defaults (a small GPT that runs in about a minute on 2 CPU cores) ---------------------
 WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB, HEADS = 2, 4, 128, 64, 8, 512, 4
+# --frozen: fine-tuning, LoRA-style (frozen dim x dim base and a trainable rank-8 adapter per block)
+FROZEN_LAYERS, FROZEN_DIM, LORA_RANK = 8, 384, 8
 STEPS, WARMUP = 12, 2
 MAX_LOCAL_RANKS = 64  # local ranks are processes sharing this machine's cores and memory
 MAX_STEPS = 1000  # a system's ranks have 600 s (run_ranks' timeout); the median settles long before
@@ -55,8 +57,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=HEADS)
-    base = GPT(cfg).to(device)
+    base = make_model(args).to(device)
     system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"))
     losses = []
 
@@ -86,6 +87,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "kind": kind,
         "losses": losses,
         "psi": sum(p.numel() for p in base.parameters()),
+        "trainable": sum(p.numel() for p in base.parameters() if p.requires_grad),
         "sent": dict(comm.sent),
         "elements": sum(comm.elements.values()),
         "unaccounted": dict(comm.unknown),
@@ -96,7 +98,25 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "with_comm_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES_AND_COMM, 0),
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_time": statistics.median(times) if times else None,
+        **_schedule(kind, system, n, args),
     }
+
+
+def _schedule(kind, system, n, args) -> dict:
+    """zero.memory.schedule for our stages: the paper's terms walked through our schedule
+    (fp32, every parameter trained: not for --mixed-precision or --frozen)."""
+    if not kind.startswith("zero") or args.mixed_precision or args.frozen:
+        return {}
+    units = zero.units_of(system.model)
+    return {"schedule": schedule([u.layout.padded_numel for u in units], int(kind[-1]), n,
+                                 sum(len(u.params) for u in units)),
+            "largest_unit": max(u.layout.padded_numel for u in units)}
+
+
+def make_model(args) -> torch.nn.Module:
+    if args.frozen:
+        return LoRAStack(dim=args.dim, blocks=args.layers, rank=LORA_RANK)
+    return GPT(GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=HEADS))
 
 
 def _tracker(kind, system):
@@ -140,8 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int_in(1, MAX_LOCAL_RANKS), default=WORLD_SIZE,
                    help=f"local ranks, at most {MAX_LOCAL_RANKS} (under torchrun: torchrun's)")
-    p.add_argument("--layers", type=positive_int, default=LAYERS)
-    p.add_argument("--dim", type=positive_int, default=DIM, help=f"a multiple of {HEADS} (heads)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help=f"default {LAYERS} ({FROZEN_LAYERS} with --frozen)")
+    p.add_argument("--dim", type=positive_int, default=None,
+                   help=f"a multiple of {HEADS} (heads); default {DIM} ({FROZEN_DIM} with --frozen)")
     p.add_argument("--seq", type=positive_int, default=SEQ)
     p.add_argument("--batch", type=positive_int, default=BATCH, help="per rank")
     p.add_argument("--steps", type=int_in(0, MAX_STEPS), default=STEPS,
@@ -155,12 +177,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=output_file, default=None,
                    help="results file (default benchmarks/results/...)")
     p.add_argument("--sweep", action="store_true", help="memory and bytes vs model size and N")
+    p.add_argument("--frozen", action="store_true",
+                   help="fine-tuning: blocks of a frozen base and a trainable low-rank adapter "
+                        f"(LoRA, rank {LORA_RANK}), AdamW on the adapters")
     p.add_argument("--no-time", action="store_true", help="skip the timed steps")
     args = p.parse_args(argv)
     args.kinds = args.systems
+    args.layers = args.layers or (FROZEN_LAYERS if args.frozen else LAYERS)
+    args.dim = args.dim or (FROZEN_DIM if args.frozen else DIM)
+    if args.frozen and (args.sweep or args.mixed_precision):
+        p.error("--frozen runs the fine-tuning model alone: leave out --sweep and --mixed-precision")
     if args.steps < 1 and not args.no_time:
         p.error("--steps must be >= 1 (or pass --no-time)")
-    if args.dim % HEADS:
+    if args.dim % HEADS and not args.frozen:
         p.error(f"--dim must be a multiple of the number of heads ({HEADS}), got {args.dim}")
     if args.device == "cuda":  # device_count, not is_available: it asks NVML, not CUDA, so
         # CUDA stays usable in the ranks that run_ranks forks from this process

@@ -77,23 +77,57 @@ def time_table(rows) -> list[str]:
     return out
 
 
-TARGETS = [  # (what, numerator, denominator, measure, at most): notes/10-overlap.md
-    ("ZeRO-3 step time / FSDP2's", "zero3", "fsdp2", "step_time", 1.0),
+TARGETS = [  # (what, numerator, denominator, measure, at most): notes/09 and notes/10
+    ("ZeRO-3 step time / FSDP2's", "zero3", "fsdp2", "step_time", 0.9),
     ("ZeRO-2 step time / FSDP2 no-reshard's", "zero2", "fsdp2-noreshard", "step_time", 1.0),
     ("ZeRO-1 step time / DDP's", "zero1", "ddp", "step_time", 1.10),
+    ("ZeRO-1 model states / ZeroRedundancyOptimizer's", "zero1", "ddp+zro", "states", 1.0),
+    ("ZeRO-2 model states / FSDP2 no-reshard's", "zero2", "fsdp2-noreshard", "states", 1.0),
+    ("ZeRO-2 model states + comm buffers / FSDP2 no-reshard's", "zero2", "fsdp2-noreshard",
+     "with_comm", 1.0),
+    ("ZeRO-3 model states / FSDP2's", "zero3", "fsdp2", "states", 1.0),
+    ("ZeRO-3 model states + comm buffers / FSDP2's", "zero3", "fsdp2", "with_comm", 1.0),
     ("ZeRO-3 peak memory / FSDP2's", "zero3", "fsdp2", "peak_total", 1.0),
 ]
+MEASURES = {"step_time": lambda r: r["step_time"], "peak_total": lambda r: r["memory"].get("Total", 0),
+            "states": lambda r: r["model_states_peak"], "with_comm": lambda r: r["with_comm_peak"]}
 
 
-def targets_table(rows) -> list[str]:
+def targets_table(rows, n) -> list[str]:
     by = {r["kind"]: r for r in rows}
-    value = {"step_time": lambda r: r["step_time"], "peak_total": lambda r: r["memory"].get("Total", 0)}
+    value = MEASURES
     out = ["| ratio | measured | target |", "|---|---|---|"]
     for what, a, b, measure, most in TARGETS:
         if a in by and b in by and value[measure](by[a]) and value[measure](by[b]):
             ratio = value[measure](by[a]) / value[measure](by[b])
             out.append(f"| {what} | {ratio:.3f} | <= {most:.2f}: {'met' if ratio <= most else 'missed'} |")
+    if any(r.get("trainable", r["psi"]) < r["psi"] for r in rows) and "zero3" in by and "fsdp2" in by:
+        ratio = MEASURES["peak_total"](by["zero3"]) / MEASURES["peak_total"](by["fsdp2"])
+        out.append(f"| fine-tuning: ZeRO-3 peak memory / FSDP2's | {ratio:.3f} | <= 1.05: "
+                   f"{'met' if ratio <= 1.05 else 'missed'} |")
+    for r in rows:  # the paper's formula plus one unit's parameters and gradients, 2% slack
+        if "largest_unit" in r:
+            bound = model_state_bytes(r["psi"], n, int(r["kind"][-1]), False) + 8 * r["largest_unit"]
+            ratio = r["model_states_peak"] / bound
+            out.append(f"| {r['kind']} model states / (paper + one unit's params and grads) "
+                       f"| {ratio:.3f} | <= 1.02: {'met' if ratio <= 1.02 else 'missed'} |")
     return out if len(out) > 2 else []
+
+
+def formula_table(rows, n) -> list[str]:
+    """Each stage's measured peak against zero.memory.schedule, term by term."""
+    ours = [r for r in rows if "schedule" in r]
+    if not ours:
+        return []
+    out = ["| system | paper formula | at rest (+ padding, step counters) | + units in flight "
+           "| = schedule | measured | measured / schedule |", "|---" * 7 + "|"]
+    for r in ours:
+        s = r["schedule"]
+        paper = model_state_bytes(r["psi"], n, int(r["kind"][-1]), False)
+        out.append(f"| {r['kind']} | {_mib(paper)} | {_mib(s['at_rest'])} | {_mib(s['in_flight'])} "
+                   f"| {_mib(s['peak'])} | {_mib(r['model_states_peak'])} "
+                   f"| {r['model_states_peak'] / s['peak']:.4f} |")
+    return out
 
 
 def loss_check(rows) -> str:
@@ -116,8 +150,9 @@ def loss_check(rows) -> str:
 
 def write(rows, args, argv, stage_of) -> None:
     date = datetime.date.today().isoformat()
+    suffix = "-sweep" if args.sweep else "-frozen" if getattr(args, "frozen", False) else ""
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"{date}-{machine()}{'-sweep' if args.sweep else ''}.md")
+                                   f"{date}-{machine()}{suffix}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for r in rows:
         r["precision"] = "bf16" if args.mixed_precision and not r["kind"].startswith("ddp") else "fp32"
@@ -131,9 +166,17 @@ def write(rows, args, argv, stage_of) -> None:
         body = sweep_tables(rows, stage_of)
     else:
         n, psi = args.world_size, rows[0]["psi"]
-        head += [f"- model: GPT, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
-                 f"batch {args.batch} per rank, Ψ = {psi:,} parameters; AdamW, "
-                 f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]
+        if args.frozen:
+            trainable = rows[0].get("trainable", 0)
+            head += [f"- model: LoRA-style fine-tuning, {args.layers} blocks of a frozen "
+                     f"{args.dim}x{args.dim} base and a trainable rank-8 adapter, and a trainable "
+                     f"head; batch {args.batch} per rank, Ψ = {psi:,} parameters ({trainable:,} "
+                     f"trainable); AdamW on the trainable ones, fp32. The paper columns assume "
+                     f"every parameter trains: they do not apply here"]
+        else:
+            head += [f"- model: GPT, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
+                     f"batch {args.batch} per rank, Ψ = {psi:,} parameters; AdamW, "
+                     f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]
         body = ["", "## Memory per rank (MiB; the largest rank; MemTracker: each category's own peak, then the peak total)", "",
                 *memory_table(rows, n, stage_of), "",
                 "## Bytes sent per rank per step (MiB; CommDebugMode, ring accounting)", "",
@@ -141,8 +184,19 @@ def write(rows, args, argv, stage_of) -> None:
         if all(r["step_time"] for r in rows):
             body += ["", f"## Step time (median of {args.steps} steps, slowest rank)", "",
                      *time_table(rows)]
-        if targets := targets_table(rows):
-            body += ["", "## Targets (notes/10-overlap.md)", "", *targets]
+        if formula := formula_table(rows, n):
+            body += ["", "## Model states against the formula (MiB; zero/memory.py: schedule)", "",
+                     "The paper's formula on our padded sizes, AdamW's 4-byte step counter per "
+                     "parameter piece, and the units in flight at the worst instant of our "
+                     "schedule (a unit gathered while another computes, one unit's full "
+                     "gradient while it is reduce-scattered):", "", *formula]
+        if targets := targets_table(rows, n):
+            body += ["", "## Targets", "", "Model states count parameters, gradients and "
+                     "optimizer state (not the step's temporaries) on the largest rank. FSDP2's "
+                     "tracker files the units it has in flight (all-gather outputs, "
+                     "reduce-scatter inputs) as comm buffers, while ours are the parameter and "
+                     "gradient storage itself: \"+ comm buffers\" compares the two alike.", "",
+                     *targets]
         body += ["", loss_check(rows)]
         if bad := {r["kind"]: r["unaccounted"] for r in rows if r["unaccounted"]}:
             body += ["", f"Collectives not accounted in bytes: {bad}"]

@@ -136,23 +136,32 @@ def _lora(rank, n):
     probe = _UnshardedBytes(units)
     with ZeroMemTracker(model, opt) as mt, probe:  # torch's MemTracker: frozen parameters too
         _step(model, opt, rank)
+    block_bytes = {}  # each block is two units: its trainable adapter and its frozen base
+    for u in probe.resharding:
+        name = u.name.removesuffix(" (frozen)")
+        block_bytes[name] = block_bytes.get(name, 0) + 4 * u.layout.padded_numel
     return {
         "unsharded_peak": probe.peak, "most_units": probe.most_units,
         "kept_bytes": sum(4 * u.layout.padded_numel for u in units if not u.reshard_after_forward),
-        "unit_bytes": sorted(4 * u.layout.padded_numel for u in probe.resharding),
-        "states_peak": mt.category_peaks[CPU][MODEL_STATES],
+        "block_bytes": sorted(block_bytes.values()),
+        "frozen_units": sum(u.name.endswith(" (frozen)") for u in units),
+        "grad_peak": mt.category_peaks[CPU][Ref.GRAD],
+        "trainable_bytes": sum(4 * p.numel() for p in LoRAStack(64, 6, 4).parameters()
+                               if p.requires_grad),
     }
 
 
 def test_frozen_parameters_at_stage3_reshard_when_their_backward_is_done():
     # A LoRA-style model: every block's base weight frozen. Its backward still reads the base
-    # weight (for the input's gradient) after the unit's gradient is complete; the hook on the
-    # inputs' gradients frees the block then, so at most two blocks are gathered at once (the
-    # one computing and the one prefetched), not all six.
+    # weight (for the input's gradient) after the block's gradient is complete; the hook on
+    # the inputs' gradients frees the block then, so at most two blocks are gathered at once
+    # (the one computing and the one prefetched), not all six. The frozen base is a unit of
+    # its own (zero.shard splits it off): no gradient is formed, reduced or kept for it.
     out = run_ranks(_lora, 2)[0]
-    two_units = sum(out["unit_bytes"][-2:])
-    assert out["most_units"] == 2, out
-    assert 0 < out["unsharded_peak"] <= out["kept_bytes"] + two_units, out
+    assert out["frozen_units"] == 6, out
+    assert out["most_units"] <= 4, out  # two blocks, each two units
+    assert 0 < out["unsharded_peak"] <= out["kept_bytes"] + sum(out["block_bytes"][-2:]), out
+    assert out["grad_peak"] <= 2 * out["trainable_bytes"], out  # gradients: the adapters only
 
 
 def _schedule(rank, n, stage):

@@ -35,26 +35,29 @@ def _unit(module: nn.Module):
 
 
 def _units(module: nn.Module, recurse: bool) -> list:
-    return units_of(module) if recurse else [_unit(module)]
+    _unit(module)
+    return units_of(module) if recurse else module._zero_units
 
 
 class UnshardHandle:
     """What ``unshard(module, async_op=True)`` returns: ``wait()`` ends the gather."""
 
-    def __init__(self, unit):
-        self._unit = unit
+    def __init__(self, units):
+        self._units = units
 
     def wait(self) -> None:
-        self._unit.wait_unshard()
+        for unit in self._units:
+            unit.wait_unshard()
 
 
 def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     """Gather ``module``'s unit (not the units below it, as in FSDP2) and keep it gathered
     until ``reshard(module)``. With ``async_op`` the gather is started and a handle returned."""
-    unit = _unit(module)
-    unit.pinned = True
-    unit.unshard(phase="other", async_op=True)
-    handle = UnshardHandle(unit)
+    units = _units(module, recurse=False)
+    for unit in units:
+        unit.pinned = True
+        unit.unshard(phase="other", async_op=True)
+    handle = UnshardHandle(units)
     if async_op:
         return handle
     handle.wait()
@@ -63,21 +66,25 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
 
 def reshard(module: nn.Module) -> None:
     """Unpin ``module``'s unit and, at stage 3, free its full parameters now."""
-    unit = _unit(module)
-    unit.pinned = False
-    unit.reshard()
+    for unit in _units(module, recurse=False):
+        unit.pinned = False
+        unit.reshard()
 
 
 def set_modules_to_forward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
     """When ``module``'s unit starts its forward, start gathering these units (in this order),
     instead of the one that ran next last iteration."""
-    _unit(module).forward_prefetch = [_unit(m) for m in modules]
+    targets = [u for m in modules for u in _units(m, recurse=False)]
+    for unit in _units(module, recurse=False):
+        unit.forward_prefetch = targets
 
 
 def set_modules_to_backward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
     """When backward reaches ``module``'s unit, start gathering these units, instead of the
     one that ran before it in forward."""
-    _unit(module).backward_prefetch = [_unit(m) for m in modules]
+    targets = [u for m in modules for u in _units(m, recurse=False)]
+    for unit in _units(module, recurse=False):
+        unit.backward_prefetch = targets
 
 
 def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,

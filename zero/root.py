@@ -51,11 +51,10 @@ class Root:
             self._units = []
             paths: dict = {}
             for path, mod in self.unit.module.named_modules():
-                unit = getattr(mod, "_zero_unit", None)
-                if unit is not None:
+                for unit in getattr(mod, "_zero_units", []):
                     paths.setdefault(unit, []).append(path or "root")
             for unit, names in paths.items():  # a unit of several modules: "tok_emb+head"
-                unit.name = "+".join(names)
+                unit.name = "+".join(names) + (" (frozen)" if unit.sibling_of else "")
                 self._units.append(unit)
         return self._units
 

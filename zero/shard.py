@@ -84,23 +84,35 @@ def shard(
     comm.agree(f"shard {desc}", group=group, error=ValueError,
                fix=f"Ranks shard different modules: build {agreed}")
 
-    unit = Unit(modules, params, locations, STAGES[stage], group, mp_policy,
-                reshard_after_forward, device)
+    # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
+    # ever formed, reduced or stored for them (a LoRA model's frozen base weights).
+    groups = [[i for i, p in enumerate(params) if p.requires_grad == trainable]
+              for trainable in (True, False)]
+    groups = [g for g in groups if g] or [[]]
+    units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
+                  group, mp_policy, reshard_after_forward, device) for g in groups]
+    originals = [[params[i] for i in g] for g in groups]
+    unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
+    for sibling in units[1:]:
+        sibling.parent = sibling.sibling_of = unit
     unit.broadcast_buffers = broadcast_buffers
     for child in children:
         if child.parent is None:
             child.parent = unit
     for p in ignored_params or ():
         p._zero_ignored = True
-    outside.replace(params, unit, names)
-    unit.use_sharded_params()
+    for u, replaced in zip(units, originals):
+        outside.replace(replaced, u, names)
+        u.use_sharded_params()
     for m in modules:
-        m._zero_unit = unit
-        m.register_forward_pre_hook(partial(hooks.pre_forward, unit), with_kwargs=True)
-        m.register_forward_hook(partial(hooks.post_forward, unit))
+        m._zero_unit, m._zero_units = unit, units
+        for u in units:
+            m.register_forward_pre_hook(partial(hooks.pre_forward, u), with_kwargs=True)
+            m.register_forward_hook(partial(hooks.post_forward, u))
     outside.install(modules + [mod for locs in locations for mod, _ in locs])
-    if unit.materialized:  # stages 1/2: every rank starts from the same full parameters
-        unit.shard_changed(phase="init")
+    for u in units:
+        if u.materialized:  # stages 1/2: every rank starts from the same full parameters
+            u.shard_changed(phase="init")
     return module
 
 
@@ -117,8 +129,7 @@ def _check(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forwar
             raise RuntimeError(
                 f"{type(module).__name__} is already sharded; call zero.shard once per module")
 
-    children = list({m._zero_unit: None for top in modules for m in top.modules()
-                     if getattr(m, "_zero_unit", None)})
+    children = list({u: None for top in modules for m in top.modules() for u in units_on(m)})
     for child in children:
         if child.stage.number != stage:
             raise ValueError(
@@ -188,9 +199,14 @@ def _names(modules: list[nn.Module], params):
 # ---- model-level helpers -----------------------------------------------------------------------
 
 
+def units_on(module: nn.Module) -> list[Unit]:
+    """The units ``zero.shard(module)`` made: one, or two (trainable, frozen)."""
+    return getattr(module, "_zero_units", [])
+
+
 def units_of(model: nn.Module) -> list[Unit]:
     """The units in ``model``, in module order (the same order on every rank)."""
-    units = list({m._zero_unit: None for m in model.modules() if getattr(m, "_zero_unit", None)})
+    units = list({u: None for m in model.modules() for u in units_on(m)})
     if not units:
         raise ValueError(f"{type(model).__name__} has no unit: call zero.shard on it first")
     return units

@@ -65,6 +65,7 @@ class Unit(GradientMixin):
         self._reshard_after_forward = reshard_after_forward
         self.requires_grad_sync = True
         self.parent: Unit | None = None
+        self.sibling_of: Unit | None = None  # the unit made from the same modules (frozen part)
         self._root: Root | None = None  # the root's duties, if this unit is the root
         self._pieces = {p.param_index: p for p in self.layout.pieces(self.rank)}
         shard = self.layout.shard(self.rank)
@@ -244,6 +245,8 @@ class Unit(GradientMixin):
     def reshard_after_forward(self) -> bool:
         if self.stage.keep_params:
             return False
+        if self.sibling_of is not None and self._reshard_after_forward is None:
+            return self.sibling_of.reshard_after_forward
         if self._reshard_after_forward is None:
             return self.parent is not None  # FSDP2: the root keeps its parameters for backward
         return self._reshard_after_forward

@@ -75,7 +75,22 @@ class CategoryPeaks:
 
 
 class PeakMemTracker(CategoryPeaks, MemTracker):
-    """torch's MemTracker with per-category peaks (for DDP and ZeroRedundancyOptimizer)."""
+    """torch's MemTracker with per-category peaks (for DDP and ZeroRedundancyOptimizer).
+
+    MemTracker hooks every parameter's gradient and fails on a frozen one ("cannot register a
+    hook on a tensor that doesn't require gradient"): hook only the trainable ones.
+    """
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        for p in module.parameters():
+            if install_grad_hooks and p.requires_grad and p not in self._param_to_grad_hook_handles:
+                def grad_hook(grad):
+                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+                self._param_to_grad_hook_handles[p] = (
+                    p.register_hook(grad_hook),
+                    p.register_post_accumulate_grad_hook(lambda q: grad_hook(q.grad)))
+        return memory
 
 
 class PeakFSDPMemTracker(CategoryPeaks, FSDPMemTracker):
