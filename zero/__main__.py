@@ -1,4 +1,8 @@
-"""``python -m zero export CKPT OUT.pt``: a zero.save checkpoint as one plain torch.save file."""
+"""``python -m zero``: two tools.
+
+    python -m zero export CKPT OUT.pt   # a zero.save checkpoint as one plain torch.save file
+    python -m zero trace --stage 3      # one training step on 2 local ranks, narrated
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,24 @@ from zero import checkpoint
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero",
-                                     description="Tools for zero.save checkpoints.")
+                                     description="Tools for zero.save checkpoints, and a "
+                                                 "narrated training step.")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write one torch.save file of {name: full tensor}")
     ex.add_argument("checkpoint", help="a zero.save directory or any DCP checkpoint")
     ex.add_argument("out", help="the .pt file to write")
+    tr = sub.add_parser("trace", help="run one step of a small GPT on 2 local gloo ranks and "
+                                      "print every hook and collective in order")
+    tr.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
+    tr.add_argument("--layers", type=int, default=2, help="GPT blocks, 1 to 16 (default 2)")
+    tr.add_argument("--dim", type=int, default=32, help="width, a multiple of 4 (default 32)")
+    tr.add_argument("--world-size", type=int, default=2, help="local ranks, 2 to 8 (default 2)")
     args = parser.parse_args(argv)
+    if args.command == "trace":
+        from zerolab import trace  # the bench's: it watches zero from the outside
+
+        trace.run(args, tr)
+        return
     try:
         state = checkpoint.export(args.checkpoint, args.out)
     except (OSError, RuntimeError, ValueError) as e:  # our errors say what to do: no traceback
