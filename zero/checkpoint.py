@@ -49,7 +49,7 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
     """
     units = units_of(model)
-    comm.agree(f"save a checkpoint in {path}", group=units[0].group,
+    comm.agree(f"save a checkpoint in {path}", group=units[0].all_group,
                fix="Call zero.save on every rank, with the same path: every rank writes its "
                    "own chunks")
     state = state_dict(model, optimizer)

@@ -33,14 +33,14 @@ def clip_grad_norm_(
         The global norm of the gradients before clipping (a 0-d tensor), on every rank.
     """
     units = units_of(model)
-    group = units[0].group
-    with comm.raising_together(group):
+    group = units[0].group  # the shard group: replicas (HSDP) hold equal shards
+    with comm.raising_together(units[0].all_group):
         loose = [n for n, p in model.named_parameters()
                  if not hasattr(p, "_zero_unit") and not getattr(p, "_zero_ignored", False)]
         if loose:
             raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
                              "module")
-    comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=group,
+    comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=units[0].all_group,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     with_grad = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in with_grad if hasattr(p, "_zero_unit")]

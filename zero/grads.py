@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zero import comm
 
@@ -53,6 +54,9 @@ class GradientMixin:
     def has_unsynced_gradient(self) -> bool:
         return self.unsharded.grad is not None or self._unsynced is not None
 
+    def _replicas(self) -> int:
+        return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
+
     def _mark_used(self, i: int, grad: torch.Tensor) -> None:
         self._used[i] = True
 
@@ -81,7 +85,7 @@ class GradientMixin:
             return
         kept = not self.stage.reduce_each_unit and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
-        pre, post = divide_factors(grad.dtype, self.world_size)
+        pre, post = divide_factors(grad.dtype, self.world_size * self._replicas())
         if pre is not None:
             grad.div_(pre)  # fp16: half of the mean's division before the sum, half after
         # In place: our slice of the mean lands in our own slot of the full gradient, so while
@@ -101,6 +105,10 @@ class GradientMixin:
         work.wait()
         self._reduction = None
         shard = grad[self._slot] if keep else grad[self._slot].clone()  # frees the full one
+        if self.replicate_group is not None:
+            # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
+            comm.all_reduce(shard, op="avg" if post is None else "sum",
+                            group=self.replicate_group, unit=self.name, phase="backward")
         if post is not None and post != 1:
             shard.div_(post)
         self._grad_shard = shard  # one reduction per backward; assign_grads hands it out

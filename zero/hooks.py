@@ -90,7 +90,7 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
             unit.reshard()  # no backward will come for this forward
         return output
     if unit.reshard_after_forward and last:
-        unit.reshard()
+        unit.reshard(keep_secondary=True)  # hpZ: backward gathers within the node
     for t in tensors_in(output):
         if t.requires_grad:
             t.register_hook(lambda grad: pre_backward(unit, grad))

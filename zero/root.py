@@ -79,7 +79,7 @@ class Root:
         elif stuck:  # the previous forward raised: its gradients were never computed
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
-        comm.agree(self._since_last_forward(written), group=self.unit.group,
+        comm.agree(self._since_last_forward(written), group=self.unit.all_group,
                    device=self.unit.sharded.device,
                    fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
@@ -104,7 +104,7 @@ class Root:
         for dtype in sorted({b.dtype for b in buffers}, key=str):
             same = [b for b in buffers if b.dtype == dtype]
             flat = torch.cat([b.reshape(-1) for b in same])
-            comm.broadcast(flat, src=0, group=self.unit.group, unit="root", phase="forward")
+            comm.broadcast(flat, src=0, group=self.unit.all_group, unit="root", phase="forward")
             for b, v in zip(same, flat.split([b.numel() for b in same])):
                 b.copy_(v.view_as(b))
 
@@ -184,7 +184,8 @@ class Root:
         used = [f for u in synced for f in u._used]
         if used and not comm.simulated(self.unit.group):
             flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
-            comm.all_reduce(flags, op="max", group=self.unit.group, unit="root", phase="backward")
+            comm.all_reduce(flags, op="max", group=self.unit.all_group, unit="root",
+                            phase="backward")
             used = [bool(f) for f in flags.tolist()]
         offset = 0
         for u in synced:

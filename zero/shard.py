@@ -18,6 +18,7 @@ import contextlib
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm, hooks, outside
@@ -36,6 +37,8 @@ def shard(
     device: torch.device | str | None = None,
     broadcast_buffers: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
+    mesh=None,
+    secondary_group=None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -47,6 +50,10 @@ def shard(
         stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters). All units of one
             model use one stage.
         group: the process group (default: the world).
+        mesh: instead of ``group``, a ``DeviceMesh`` as FSDP2's ``fully_shard`` takes it: 1-D,
+            shard over it; 2-D with dims (replicate, shard), HSDP: shard within each row of
+            ranks (a node, say), keep one such copy per row, and average the reduced gradient
+            shards across rows (notes/14-hybrid.md).
         mp_policy: mixed precision (``zero.MixedPrecision``); None computes in the
             parameters' dtype.
         reshard_after_forward: stage 3 only. Free the parameters after forward and gather
@@ -61,6 +68,10 @@ def shard(
         ignored_params: parameters to leave as they are: whole on every rank, not sharded,
             their gradients not reduced (FSDP2's ``ignored_params``); keeping them in sync
             is the caller's business. ``zero.clip_grad_norm_`` counts them once.
+        secondary_group: stage 3 only, ZeRO++'s hpZ: the ranks of this rank's node. After
+            forward each rank keeps its slice of the unit's parameters over the node (a
+            secondary shard, P / ranks-per-node), and backward gathers them within the node
+            only; the gradient is still reduced over ``group``.
 
     Returns:
         ``module``, whose parameters are now this rank's pieces (same names). Build the
@@ -68,11 +79,17 @@ def shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     ignored = {id(p) for p in ignored_params or ()}
+    group, replicate_group, all_group = _groups(group, mesh)
+    if secondary_group is not None:
+        comm.name_group(secondary_group, "intra-node")
     agreed = ("the same model (same structure, shapes, dtypes, requires_grad) and call "
               "zero.shard in the same order, with the same arguments, on every rank")
-    with comm.raising_together(group):
+    with comm.raising_together(all_group):
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("zero.shard takes a module, or a non-empty list of modules")
+        if secondary_group is not None and stage != 3:
+            raise ValueError("secondary_group (hpZ) only applies to stage 3: stages 1 and 2 "
+                             "keep their full parameters, so backward gathers nothing")
         device = _device(modules[0], group, device)
         params, locations, children = _check(modules, stage, mp_policy, reshard_after_forward,
                                              ignored)
@@ -81,7 +98,7 @@ def shard(
             broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
                                       if id(p) in ignored)]
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
-    comm.agree(f"shard {desc}", group=group, error=ValueError,
+    comm.agree(f"shard {desc}", group=all_group, error=ValueError,
                fix=f"Ranks shard different modules: build {agreed}")
 
     # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
@@ -90,7 +107,8 @@ def shard(
               for trainable in (True, False)]
     groups = [g for g in groups if g] or [[]]
     units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
-                  group, mp_policy, reshard_after_forward, device) for g in groups]
+                  group, mp_policy, reshard_after_forward, device, replicate_group,
+                  secondary_group, all_group) for g in groups]
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
     for sibling in units[1:]:
@@ -114,6 +132,32 @@ def shard(
         if u.materialized:  # stages 1/2: every rank starts from the same full parameters
             u.shard_changed(phase="init")
     return module
+
+
+def _groups(group, mesh):
+    """(shard group, replicate group or None, the group of every rank) from FSDP2's ``mesh``."""
+    if mesh is None:
+        return group, None, group
+    if group is not None:
+        raise ValueError("give zero.shard a group or a mesh, not both")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None, mesh.get_group(0)
+    if mesh.ndim != 2:
+        raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+    shard, replicate = mesh.get_group(1), mesh.get_group(0)
+    comm.name_group(shard, "intra-node")  # HSDP shards within a node, replicates across
+    comm.name_group(replicate, "inter-node")
+    return shard, replicate, _mesh_group(mesh)
+
+
+def _mesh_group(mesh):
+    """The group of all of a mesh's ranks (the world, when the mesh spans it)."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return None
+    if not hasattr(mesh, "_zero_all_group"):
+        mesh._zero_all_group = dist.new_group(ranks)
+    return mesh._zero_all_group
 
 
 def _check(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forward, ignored):

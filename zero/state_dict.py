@@ -22,7 +22,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
-    comm.agree("gather a full state dict", group=units[0].group,
+    comm.agree("gather a full state dict", group=units[0].all_group,
                fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
                    "you need on rank 0")
     try:

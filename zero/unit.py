@@ -49,13 +49,18 @@ class Unit(GradientMixin):
     """The sharded state and the hooks of one ``zero.shard``-ed module (see the module note)."""
 
     def __init__(self, modules, params, locations, stage, group, mp_policy, reshard_after_forward,
-                 device):
+                 device, replicate_group=None, secondary_group=None, all_group=None):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.module = modules[0]
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
         self.stage = stage
-        self.group = group
+        self.group = group  # the ranks that shard this unit among themselves
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        # Hybrid sharding (notes/14): HSDP averages the reduced shard over the replicas; hpZ
+        # keeps a secondary shard over a node after forward and gathers from it in backward.
+        self.replicate_group, self.secondary_group = replicate_group, secondary_group
+        self.all_group = all_group if all_group is not None else group  # every rank training
+        self._secondary: torch.Tensor | None = None
         self.locations = locations  # per parameter: the (module, attribute) pairs that use it
         self.layout = FlatLayout([p.shape for p in params], self.world_size)
         dtype = params[0].dtype if params else torch.float32
@@ -127,13 +132,25 @@ class Unit(GradientMixin):
         self._seen_version = self.sharded._version  # the full parameters will show this shard
         if self.layout.padded_numel == 0:
             return
-        slot = self._unsharded_data[self._slot]
-        if not self._shard_in_place:
-            slot.copy_(self.sharded)  # cast the fp32 shard to param_dtype once, before the gather
+        if self._secondary is not None:  # hpZ: gather from the node's secondary shards
+            group, slot = self.secondary_group, self._unsharded_data[self._secondary_slot()]
+            slot.copy_(self._secondary)
+            self._secondary = None
+        else:
+            group, slot = self.group, self._unsharded_data[self._slot]
+            if not self._shard_in_place:
+                slot.copy_(self.sharded)  # cast the fp32 shard to param_dtype once, before
         # (N*S,) <- (S,) per rank; in place: our slot of the output is the input
-        work = comm.all_gather(self._unsharded_data, slot, group=self.group, unit=self.name,
+        work = comm.all_gather(self._unsharded_data, slot, group=group, unit=self.name,
                                phase=phase, async_op=async_op)
         self._pending = work
+
+    def _secondary_slot(self) -> slice:
+        """hpZ: this rank's slice of the full flat parameter among its node's ranks."""
+        n = dist.get_world_size(self.secondary_group)
+        size = self.layout.padded_numel // n
+        start = dist.get_rank(self.secondary_group) * size
+        return slice(start, start + size)
 
     def unshard(self, phase: str, async_op: bool = False) -> None:
         """Make the full parameters readable: all-gather them, or wait for the gather in flight.
@@ -163,12 +180,15 @@ class Unit(GradientMixin):
         counter tells, whoever wrote it (but not a write through ``p.data``)."""
         return self.sharded._version != self._seen_version
 
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
         """Stage 3: give the full parameters' memory back; stages 1/2 keep them (and so does a
-        unit pinned by ``zero.unshard``)."""
+        unit pinned by ``zero.unshard``). hpZ, after a forward that backward will follow:
+        keep this rank's secondary shard, for an all-gather within the node."""
         if self.stage.keep_params or self.pinned or not self.is_unsharded:
             return
         self.wait_unshard()
+        if keep_secondary and self.secondary_group is not None:
+            self._secondary = self._unsharded_data[self._secondary_slot()].clone()
         self._free_unsharded()
 
     def _free_unsharded(self) -> None:
@@ -181,6 +201,7 @@ class Unit(GradientMixin):
         unit whose shard was written (``shard_written``); whoever writes ``sharded`` must
         first call ``wait_unshard()`` (a stage 1/2 gather may still be reading it)."""
         self.materialized = True
+        self._secondary = None  # made from the old values
         if self.stage.keep_params or (self.pinned and self.is_unsharded):
             self.wait_unshard()
             self._gather(phase=phase, async_op=True)
@@ -238,6 +259,7 @@ class Unit(GradientMixin):
         self.state = State.IDLE
         if self.reshard_after_backward:
             self.reshard()
+        self._secondary = None  # (hpZ: a forward whose backward never came)
         self._views = None  # the next iteration makes new ones
         self.forward_calls, self.inputs_done = 0, False
 

@@ -62,10 +62,13 @@ class System:
         opt: "adamw", "sgd" or "adamw_groups".
         mp: bf16 parameters with fp32 reduction (ours and FSDP2 only).
         reshard_after_forward: for the non-root units of "zero3" and "fsdp2".
+        mesh_shape: (replicas, shards): HSDP for ours and FSDP2 (default: one flat group).
+        ranks_per_node: ours at stage 3: hpZ, a secondary shard over groups of this many ranks.
     """
 
     def __init__(self, kind: str, base: nn.Module, opt: str = "adamw", mp: bool = False,
-                 reshard_after_forward: bool | None = None):
+                 reshard_after_forward: bool | None = None, mesh_shape: tuple | None = None,
+                 ranks_per_node: int | None = None):
         self.kind, self.base = kind, base
         model = copy.deepcopy(base)
         if kind == "replicated":
@@ -88,7 +91,8 @@ class System:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             device = next(model.parameters()).device.type
-            mesh = init_device_mesh(device, (dist.get_world_size(),))
+            mesh = init_device_mesh(device, mesh_shape or (dist.get_world_size(),),
+                                    mesh_dim_names=("replicate", "shard") if mesh_shape else None)
             policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mp else MixedPrecisionPolicy()
             if kind == "fsdp2-noreshard":
                 reshard_after_forward = False
@@ -100,11 +104,24 @@ class System:
                 fully_shard(unit, mesh=mesh, mp_policy=unit_policy, **kw)
         else:
             policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
+            device = next(model.parameters()).device.type
+            hybrid = {}
+            if mesh_shape:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                hybrid["mesh"] = init_device_mesh(device, mesh_shape,
+                                                  mesh_dim_names=("replicate", "shard"))
+            if ranks_per_node:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                nodes = dist.get_world_size() // ranks_per_node
+                node_mesh = init_device_mesh(device, (nodes, ranks_per_node))
+                hybrid["secondary_group"] = node_mesh.get_group(1)
             for unit in model.units():
                 rafa = reshard_after_forward if unit is not model else None
                 unit_policy = None if any(unit is m for m in fp32_units) else policy
                 zero.shard(unit, stage=int(kind[-1]), mp_policy=unit_policy,
-                           reshard_after_forward=rafa)
+                           reshard_after_forward=rafa, **hybrid)
         self.model = model
         self.opt = make_optimizer(opt, list(model.named_parameters()))
 
