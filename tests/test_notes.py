@@ -16,15 +16,27 @@ So a label can never be a file name with a line number attached: say which state
 After code moves, ``python tests/test_notes.py --fix`` re-points the links that break the
 rule to the line that satisfies it (a definition's line; the nearest line holding the
 fragment) and lists those it cannot place.
+
+The notes quote the outputs of notes/figures/*.py, committed beside them as .txt files, and a
+figure that the code no longer produces teaches the wrong thing too. ``FIGURES`` says how
+each committed output is kept honest: rerun here and compared character for character, or,
+where a run is too slow for the suite or its output holds timings, which numbers a test
+checks instead.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
+import importlib.util
+import io
 import os
 import re
 import sys
+
+import pytest
+import torch
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))
 LINK = re.compile(r"\[([^\[\]\n]+)\]\(((?:\.\./)+)([\w/.-]+\.py)#L(\d+)\)")
@@ -115,6 +127,123 @@ def test_the_rule_catches_a_link_one_line_off():
     assert problem("`grad.to(self.reduce_dtype)`", grads, at + 1) is not None
     assert problem("`grads.py`", grads, at) is not None
     assert problem("grads.py", grads, at) is not None
+
+
+# ---- the figures' committed outputs ------------------------------------------------------
+
+RERUN = "rerun"  # cheap and deterministic: rerun and compared character for character
+SCHEDULE = ("its model-state peaks are zero.memory.schedule's, which tests/test_memory.py "
+            "holds to the measured peak, to the byte (test_memory_figures_quote_the_schedule); "
+            "a run takes 10-20 s")
+FIGURES = {
+    "flat_layout": RERUN,
+    "flat_autograd": RERUN,
+    "collectives": RERUN,
+    "gloo_order": RERUN,
+    "unused_agreement": RERUN,
+    "meta_init": RERUN,
+    "ledger_stage3": RERUN,
+    "traffic_by_system": "its rows for our stages are ring accounting over the units' sizes "
+                         "(test_traffic_figure_quotes_ring_accounting); a run takes 5-8 s",
+    "trace_stage1": "tests/test_trace.py: a fresh trace, but for its ms column",
+    "trace_stage2": "tests/test_trace.py: a fresh trace, but for its ms column",
+    "trace_stage3": "tests/test_trace.py: a fresh trace, but for its ms column",
+    "stage1": SCHEDULE + "; Part 2's times vary from run to run",
+    "stage2": SCHEDULE,
+    "stage3": SCHEDULE + "; Part 1's times vary from run to run",
+    "checkpoint_costs": "its bytes sent are 12Ψ(N-1)/N plus one agreement, 16(N-1) "
+                        "(test_checkpoint_costs_quote_the_traffic_formula); its seconds vary",
+    "check_mode_cost": "timings only: milliseconds per step on this machine",
+    "gloo_collectives": "timings only, of torch's gloo: no code of ours",
+    "fp_arithmetic": "float32 facts and torch's DDP, no code of ours; 15 s",
+    "clip_norm": "35 s; tests/test_equality.py holds its claims (inf-norm bitwise, the 2-norm "
+                 "within 3e-7, parameters within 1e-6)",
+    "reduction_order": "45 s or more; tests/test_equality.py holds its claims (bitwise at "
+                       "N = 2, within 1e-6 at N = 3 and 4)",
+}
+FIGURES_DIR = os.path.join(ROOT, "notes", "figures")
+
+
+def test_every_figure_output_says_how_it_is_checked():
+    committed = {f[:-4] for f in os.listdir(FIGURES_DIR) if f.endswith(".txt")}
+    assert committed == set(FIGURES), committed ^ set(FIGURES)
+
+
+@pytest.mark.parametrize("name", [n for n, how in FIGURES.items() if how == RERUN])
+def test_a_figure_output_is_what_its_script_prints_today(name, monkeypatch):
+    monkeypatch.setenv("ZERO_CHECK", "0")  # as a reader runs it: no agreement per collective
+    spec = importlib.util.spec_from_file_location(f"figure_{name}",
+                                                  os.path.join(FIGURES_DIR, f"{name}.py"))
+    script = importlib.util.module_from_spec(spec)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), __import__("warnings").catch_warnings():
+        spec.loader.exec_module(script)
+        script.main()
+    path = os.path.join(FIGURES_DIR, f"{name}.txt")
+    assert printed.getvalue() == open(path).read(), (
+        f"{path} is stale: python notes/figures/{name}.py > notes/figures/{name}.txt")
+
+
+def _numbers(pattern: str, text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(g) for g in m.groups()) for m in re.finditer(pattern, text)]
+
+
+def test_memory_figures_quote_the_schedule():
+    from zero.flat import FlatLayout
+    from zero.memory import schedule
+    from zerolab.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/test_memory.py's
+    block = [p.shape for p in model.blocks[0].parameters()]
+    root = [p.shape for name, p in model.named_parameters() if not name.startswith("blocks.")]
+    units = [FlatLayout(root, 2).padded_numel] + [FlatLayout(block, 2).padded_numel] * 8
+    tensors = len(root) + 8 * len(block)
+    at = {stage: schedule(units, stage, 2, tensors) for stage in (1, 2, 3)}
+    read = lambda name: open(os.path.join(FIGURES_DIR, f"{name}.txt")).read()  # noqa: E731
+
+    stage1 = _numbers(r"fp32: .*\n.*\n(?:.*\n)*?  model states +(\d+) = .* +(\d+) = ", read("stage1"))
+    assert stage1[0] == (at[1]["peak"], at[1]["at_rest"])
+    said = _numbers(r"schedule, unit by unit: at rest (\d+) \+ in flight (\d+) = (\d+)", read("stage2"))
+    assert said == [tuple(at[s][k] for k in ("at_rest", "in_flight", "peak")) for s in (1, 2)]
+    measured = _numbers(r"at the worst instant (\d+) =", read("stage2"))
+    assert measured == [(at[1]["peak"],), (at[2]["peak"],)]
+    said = _numbers(r"schedule, unit by unit: at rest (\d+) \+ in flight (\d+) = (\d+) "
+                    r"\(measured: (\d+)\)", read("stage3"))
+    assert said == [(at[3]["at_rest"], at[3]["in_flight"], at[3]["peak"], at[3]["peak"])]
+
+
+def test_traffic_figure_quotes_ring_accounting():
+    from zero.flat import FlatLayout
+    from zerolab.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=4))  # the figure's
+    psi = sum(p.numel() for p in model.parameters())
+    blocks = [FlatLayout([p.shape for p in b.parameters()], 2).padded_numel for b in model.blocks]
+    root = [p.shape for name, p in model.named_parameters() if not name.startswith("blocks.")]
+    units = [FlatLayout(root, 2).padded_numel] + blocks
+    tensors = len(list(model.parameters()))
+    half = psi / 2  # "in Ψ" divides the elements sent by (N-1)/N Ψ
+    flags, agree = tensors / half, 2 / half  # a byte per tensor (all-reduce: twice (N-1)/N)
+    gathered = {"zero1": sum(units), "zero2": sum(units), "zero3": sum(units) + sum(blocks)}
+    text = open(os.path.join(FIGURES_DIR, "traffic_by_system.txt")).read()
+    for kind, gather in gathered.items():
+        total = (sum(units) / 2 + gather / 2) / half + flags + agree
+        counts = (len(units), len(units) + 1 if kind != "zero3" else len(units) + len(blocks) + 1)
+        row = (f"{kind:<8} {total:>6.3f}  {flags:>14.3f} ( 1x){sum(units) / psi:>14.3f} "
+               f"({counts[0]:>2}x)"
+               f"{(gather / 2 + 2) / half:>14.3f} ({counts[1]:>2}x)")
+        assert row in text, (row, text)
+
+
+def test_checkpoint_costs_quote_the_traffic_formula():
+    text = open(os.path.join(FIGURES_DIR, "checkpoint_costs.txt")).read()
+    psi = int(re.search(r"psi = ([\d,]+) parameters", text).group(1).replace(",", ""))
+    rows = re.findall(r"^ +(\d) +([\d,]+) +([\d,]+) ", text, re.M)
+    assert len(rows) == 3
+    for n, sent, formula in rows:
+        n, sent, formula = int(n), int(sent.replace(",", "")), int(formula.replace(",", ""))
+        assert formula == 12 * psi * (n - 1) // n
+        assert formula <= sent - 16 * (n - 1) <= formula + 4 * 12 * n  # padding: a row per rank
 
 
 # ---- python tests/test_notes.py --fix: re-point links after code moved -------------------

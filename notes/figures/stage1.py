@@ -100,7 +100,8 @@ def events(rank, n, mp):
     for name, fn in originals.items():
         setattr(Unit, name, fn)
     for r in ledger.records:  # the ledger's issue times: every collective of the step
-        log.append((r.time, f"{(r.op.replace('_', '-') + ' issued'):<23} {r.unit} ({r.phase})"))
+        where = f"{r.unit} ({r.phase})" if r.unit else "(the ranks agree on what comes next)"
+        log.append((r.time, f"{(r.op.replace('_', '-') + ' issued'):<23} {where}"))
     log.sort()
     t0 = next(t for t, what in log if what == "backward starts")
     return [(1e3 * (t - t0), what) for t, what in log if t >= t0]

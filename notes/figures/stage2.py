@@ -7,12 +7,13 @@ All on 2 gloo ranks, rank 0's view, AdamW.
 Part 1: how often a unit's forward runs and how often the post-accumulate-grad hook on its
 flat leaf fires per backward, for a plain GPT, a GPT whose first block is called twice, and
 activation checkpointing inside / around each block (tests/test_features.py's variants).
-Part 2: tests/test_memory.py's model (8 blocks of dim 64): gradient bytes after every op
-(ZeroMemTracker's peak, and a probe that says which units' gradients are alive at that instant).
+Part 2: tests/test_memory.py's model (8 blocks of dim 64): the gradients' peak and the
+model states' (ZeroMemTracker), beside tests/test_memory.py's bound and zero.memory.schedule.
 Part 3: a unit with a frozen layer in front of a trainable one: the order of events in
 backward. Part 4: UnevenMLP (a frozen and an unused layer): which parameters get a gradient,
 and the one all-reduce that agrees on it. Part 5: two micro-batches, the first under no_sync.
-Part 6: reentrant activation checkpointing (not supported by stages 1 and 2 yet).
+Part 6: reentrant activation checkpointing: every parameter gets its gradient at every stage
+(an earlier version left 24 of 28 without one at stages 1 and 2).
 """
 
 import torch
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zero
 from zerolab.launch import run_ranks
-from zero.memory import model_state_bytes
+from zero.memory import model_state_bytes, schedule
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig, UnevenMLP
 
@@ -89,26 +90,6 @@ def hook_counts(rank, n, mode):
 
 # ---- Part 2: the gradient peak -----------------------------------------------------------
 
-class GradProbe(TorchDispatchMode):
-    """After every op: the gradient bytes our units hold, and whose they are."""
-
-    def __init__(self, units):
-        super().__init__()
-        self.units, self.peak, self.at_peak = units, 0, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        full = [u for u in self.units if u.unsharded.grad is not None or u._reduction is not None]
-        shards = [u for u in self.units if u._grad_shard is not None or u._reduction is not None]
-        now = (sum(4 * u.layout.padded_numel for u in full)
-               + sum(4 * u.layout.shard_numel for u in shards))
-        if now > self.peak:
-            self.peak = now
-            self.at_peak = ([u.name for u in full], [u.name for u in shards],
-                            [u.name for u in self.units if u._reduction is not None])
-        return out
-
-
 def gradient_peak(rank, n, stage):
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/test_memory.py's model
@@ -117,20 +98,15 @@ def gradient_peak(rank, n, stage):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch_step(model, rank, 0, opt)
     units = zero.units_of(model)
-    probe = GradProbe(units)
     with ZeroMemTracker(model, opt) as mt:
-        with probe:
-            batch_step(model, rank, 1)
-        opt.step()
-        opt.zero_grad()
+        batch_step(model, rank, 1, opt)
     peaks = mt.category_peaks[torch.device("cpu")]
-    return {"tracker": peaks[Ref.GRAD], "probe": probe.peak,
-            "states": peaks[MODEL_STATES], "kept": mt.model_states_peak,
-            "at_peak": probe.at_peak,
+    return {"tracker": peaks[Ref.GRAD], "states": peaks[MODEL_STATES], "kept": mt.model_states_peak,
+            "schedule": schedule([u.layout.padded_numel for u in units], stage, n,
+                                 sum(len(u.params) for u in units)),
             "psi": sum(u.layout.numel for u in units),
             "unit": 4 * max(u.layout.padded_numel for u in units),
-            "full": {u.name: 4 * u.layout.padded_numel for u in units},
-            "shard": {u.name: 4 * u.layout.shard_numel for u in units}}
+            "root": 4 * units[0].layout.padded_numel}
 
 
 # ---- Part 3: a frozen layer in front of a trainable one ---------------------------------------
@@ -179,17 +155,19 @@ def frozen_order(rank, n, stage):
     return list(events)
 
 
-class UnshardedUnits(TorchDispatchMode):
-    """After every op: how many of the blocks (the units that reshard) are unsharded at once."""
+class UnshardedBlocks(TorchDispatchMode):
+    """After every op: how many blocks hold full parameters at once (a block whose frozen
+    parameters are a unit of their own counts once, whichever of its units is unsharded)."""
 
     def __init__(self, units):
         super().__init__()
         self.units, self.most = [u for u in units if u.reshard_after_forward], 0
+        self.blocks = {u.module for u in self.units}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        live = sum(1 for u in self.units if u._unsharded_data.untyped_storage().nbytes())
-        self.most = max(self.most, live)
+        live = {u.module for u in self.units if u.unsharded.untyped_storage().nbytes()}
+        self.most = max(self.most, len(live))
         return out
 
 
@@ -202,10 +180,10 @@ def frozen_cost(rank, n, freeze):
     for unit in model.units():
         zero.shard(unit, stage=3)
     batch_step(model, rank, 0)
-    probe = UnshardedUnits(zero.units_of(model))
+    probe = UnshardedBlocks(zero.units_of(model))
     with probe:
         batch_step(model, rank, 1)
-    return probe.most, len(probe.units)
+    return probe.most, len(probe.blocks), len(probe.units)
 
 
 # ---- Part 4: frozen and unused parameters -----------------------------------------------------
@@ -239,8 +217,9 @@ def accumulate(rank, n):
             else:
                 batch_step(model, rank, micro)
         full = sum(u.unsharded.grad.numel() * 4 for u in units if u.unsharded.grad is not None)
-        params_with_grad = sum(p.grad is not None for p in model.parameters())
-        out.append((micro, ledger.count(op="reduce_scatter"), ledger.count(), full, params_with_grad))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        out.append((micro, ledger.count(op="reduce_scatter"), ledger.count(), full, len(grads),
+                    sum(g.abs().sum().item() for g in grads)))
     return out, sum(u.layout.padded_numel for u in units)
 
 
@@ -279,23 +258,20 @@ def main():
     for stage in (1, 2):
         g = run_ranks(gradient_peak, WORLD_SIZE, stage)[0]
         full, unit, n = 4 * g["psi"], g["unit"], WORLD_SIZE
-        print(f"stage {stage}: peak gradient bytes: ZeroMemTracker {g['tracker']}, probe {g['probe']}")
-        print(f"  full gradient 4Ψ = {full}; full/N = {full // n}; one unit's full gradient = {unit}")
+        print(f"stage {stage}: peak gradient bytes (ZeroMemTracker) {g['tracker']}")
+        print(f"  full gradient 4Ψ = {full}; full/N = {full // n}; one block's full gradient = "
+              f"{unit}; the root's {g['root']}")
         if stage == 2:
-            bound = 1.10 * (full / n + unit)
-            print(f"  tests/test_memory.py's bound 1.10 x (full/N + one unit) = {bound:.0f}: "
-                  f"measured / bound = {g['tracker'] / bound:.3f}")
-        names, shards, flight = g["at_peak"]
-        shard_bytes = sum(g["shard"][s] for s in shards)
-        full_bytes = sum(g["full"][s] for s in names)
-        print(f"  at the peak: full flat gradients of {len(names)} units {names} ({full_bytes} bytes),")
-        print(f"  of which reduce-scatters in flight: {flight};")
-        print(f"  gradient shards of {len(shards)} of {len(g['shard'])} units ({shard_bytes} bytes); "
-              f"sum {full_bytes + shard_bytes}")
+            bound = full / n + unit + unit / n + g["root"]
+            print(f"  tests/test_memory.py's bound full/N + one block + its shard + the root's "
+                  f"full gradient = {bound:.0f}: measured / bound = {g['tracker'] / bound:.3f}")
         paper = model_state_bytes(g["psi"], n, stage=stage, mixed_precision=False)
+        sch = g["schedule"]
         print(f"  model states: less transients {g['kept']} = {g['kept'] / g['psi']:.3f} bytes/Ψ, "
               f"at the worst instant {g['states']} = {g['states'] / g['psi']:.3f} bytes/Ψ; "
-              f"paper {paper:.0f} = {paper / g['psi']:.3f} bytes/Ψ\n")
+              f"paper {paper:.0f} = {paper / g['psi']:.3f} bytes/Ψ")
+        print(f"  zero.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
+              f"{sch['in_flight']} = {sch['peak']}\n")
 
     print("Part 3: a unit whose frozen layer runs before its trainable one (x -> inp -> "
           "[frozen -> trained] -> head); order of events in backward\n")
@@ -306,9 +282,9 @@ def main():
 
     print("\n  the cost, stage 3, a GPT of 6 blocks: the most blocks unsharded at once in a step")
     for freeze in (False, True):
-        most, blocks = run_ranks(frozen_cost, WORLD_SIZE, freeze)[0]
+        most, blocks, units = run_ranks(frozen_cost, WORLD_SIZE, freeze)[0]
         what = "every block's ln1 frozen" if freeze else "nothing frozen"
-        print(f"    {what:<26} {most} of {blocks}")
+        print(f"    {what:<26} {most} of {blocks} (the blocks are {units} units)")
 
     print("\nPart 4: UnevenMLP at stage 2 (frozen: requires_grad False; unused: never called)\n")
     grads, flags, count = run_ranks(frozen_and_unused, WORLD_SIZE)[0]
@@ -320,9 +296,9 @@ def main():
     rows, padded = run_ranks(accumulate, WORLD_SIZE)[0]
     print(f"  (all units' padded numel: {padded}, i.e. {4 * padded} bytes of fp32 gradient)")
     print(f"  {'micro':>5} {'reduce-scatters':>16} {'collectives':>12} {'full flat grads kept':>21} "
-          f"{'params with .grad':>18}")
-    for micro, rs, total, full, with_grad in rows:
-        print(f"  {micro:>5} {rs:>16} {total:>12} {full:>21} {with_grad:>18}")
+          f"{'params with .grad':>18} {'sum of |.grad|':>15}")
+    for micro, rs, total, full, with_grad, size in rows:
+        print(f"  {micro:>5} {rs:>16} {total:>12} {full:>21} {with_grad:>18} {size:>15.4g}")
 
     print("\nPart 6: checkpoint(block, x, use_reentrant=True), small GPT: parameters left with "
           "no gradient after one backward")

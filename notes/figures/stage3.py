@@ -4,12 +4,15 @@ memory, mixed precision and activation checkpointing.
     python notes/figures/stage3.py > notes/figures/stage3.txt   # also writes stage3_ledger_timeline.png
 
 All on 2 gloo ranks, rank 0's view, AdamW, one step after a warm-up step.
-Part 1: the ledger of one step of a GPT with 4 blocks (dim 32), with each record's issue time
-(Record.time); the PNG draws it. Part 2: each unit's unsharded storage right after its forward,
-and the most units unsharded at once. Part 3: tests/test_memory.py's model (8 blocks of dim 64):
-model-state bytes against the paper's 16Ψ/N. Part 4: bf16 parameters / fp32 reduction: the
-ledger's dtypes, and FSDP2 side by side for 3 steps. Part 5: collectives per unit with
-activation checkpointing and with a unit called twice.
+Part 1: the ledger of one step of a GPT with 4 blocks (dim 32): each collective from the
+moment it was issued (Record.time) to the moment rank 0's wait() for it returned
+(Record.done), beside each unit's forward and backward (zerolab.trace watches the hooks); the
+PNG draws it. Part 2: each unit's unsharded storage right after its forward, and the most
+units unsharded at once. Part 3: tests/test_memory.py's model (8 blocks of dim 64):
+model-state bytes against the paper's 16Ψ/N and zero.memory.schedule. Part 4: bf16
+parameters / fp32 reduction: the ledger's dtypes, and FSDP2 side by side for 3 steps.
+Part 5: collectives per unit with activation checkpointing and with a unit called twice.
+The times in Part 1 change from run to run; nothing else does.
 """
 
 import os
@@ -21,11 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import zero
+from zero.memory import model_state_bytes, schedule
 from zerolab.launch import run_ranks
-from zero.memory import model_state_bytes
-from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig
 from zerolab.systems import System
+from zerolab.trace import trace
+from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 
 WORLD_SIZE = 2
 TIMELINE = GPTConfig(layers=4)  # dim 32, vocab 96, seq 16
@@ -55,31 +59,28 @@ def step(model, opt, rank, i):
 
 # ---- Part 1: the timeline ---------------------------------------------------------------------
 
-def timeline(rank, n):
-    import time
-
-    model, opt = build(TIMELINE)
-    step(model, opt, rank, 0)
-    marks = {}
-    x, y = batch(model, rank, 1)
-    with zero.Ledger() as ledger:
-        marks["forward"] = time.perf_counter()
-        loss = model.loss(model(x), y)
-        marks["backward"] = time.perf_counter()
-        loss.backward()
-        marks["optimizer step"] = time.perf_counter()
-        opt.step()
-        marks["end"] = time.perf_counter()
-    opt.zero_grad()
-    t0 = marks["forward"]
-    records = [(r.op, r.unit, r.phase, str(r.dtype), r.buffer_bytes, r.sent_bytes,
-                1e3 * (r.time - t0)) for r in ledger.records]
-    units = [u.name for u in zero.units_of(model)]
-    psi = sum(u.layout.numel for u in zero.units_of(model))
-    return records, {k: 1e3 * (v - t0) for k, v in marks.items()}, units, psi
+def spans(t):
+    """From a zerolab.trace.Trace: per unit, its compute spans and its collectives' spans (ms),
+    and the phases of the step."""
+    compute, started, marks = {}, {}, {}
+    for e in t.events:
+        if e.record is not None:
+            continue
+        if not e.unit:
+            marks[e.what.split(":")[0]] = 1e3 * e.time
+        elif e.what.startswith(("pre_forward", "pre_backward")):
+            started[e.unit] = (e.what.split("_")[1], 1e3 * e.time)
+        elif e.what.startswith(("post_forward", "post_backward")) and e.unit in started:
+            kind, begin = started.pop(e.unit)
+            compute.setdefault(e.unit, []).append((kind, begin, 1e3 * e.time))
+    done = {id(e.record): 1e3 * e.time for e in t.events if e.done}
+    issued = {id(e.record): 1e3 * e.time for e in t.events if e.record is not None and not e.done}
+    collectives = [(r.op, r.unit, r.phase, str(r.dtype), r.buffer_bytes, r.sent_bytes,
+                    issued[id(r)], done.get(id(r))) for r in t.records]
+    return compute, collectives, marks
 
 
-def draw(records, marks, units):
+def draw(compute, collectives, marks, units):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,31 +90,39 @@ def draw(records, marks, units):
                ("reduce_scatter", "backward"): "#c44e52", ("all_reduce", "backward"): "#937860"}
     labels = {("all_gather", "forward"): "all-gather (forward)",
               ("all_gather", "backward"): "all-gather (backward)",
-              ("reduce_scatter", "backward"): "reduce-scatter (backward)",
+              ("reduce_scatter", "backward"): "reduce-scatter",
               ("all_reduce", "backward"): "all-reduce of the used-flags"}
+    shades = {"forward": "#c9d6ea", "backward": "#f3d9c7"}
     rows = list(reversed(units))  # the root on top, in forward order downwards
-    fig, ax = plt.subplots(figsize=(11, 3.6))
-    spans = [("forward", "backward", "#e8eef7"), ("backward", "optimizer step", "#f7ece6"),
-             ("optimizer step", "end", "#e9f3ea")]
-    for start, end, colour in spans:
-        ax.axvspan(marks[start], marks[end], color=colour, zorder=0)
-        ax.text((marks[start] + marks[end]) / 2, len(rows) - 0.35, start, ha="center",
+    fig, ax = plt.subplots(figsize=(12.5, 3.9))
+    phases = [("forward", "backward"), ("backward", "opt.step()"), ("opt.step()", "opt.zero_grad()")]
+    for start, end in phases:
+        ax.axvline(marks[start], color="#888888", linewidth=0.6, linestyle=":")
+        ax.text((marks[start] + marks[end]) / 2, len(rows) - 0.45, start, ha="center",
                 va="bottom", fontsize=8, color="#555555")
     seen = set()
-    for op, unit, phase, _, _, _, t in records:
+    for unit, spans_ in compute.items():
+        for kind, begin, end in spans_:
+            ax.barh(rows.index(unit) + 0.17, end - begin, left=begin, height=0.3,
+                    color=shades[kind], edgecolor="#999999", linewidth=0.4,
+                    label=f"{kind} (pre_ to post_ hook)" if kind not in seen else None)
+            seen.add(kind)
+    for op, unit, phase, _, _, _, issued, done in collectives:
         key = (op, phase)
-        y = rows.index(unit) + {"forward": 0.15, "backward": -0.15}[phase] * (op == "all_gather")
-        ax.scatter([t], [y], s=70, marker="v" if op == "reduce_scatter" else "o",
-                   color=colours[key], edgecolor="black", linewidth=0.5, zorder=3,
-                   label=labels[key] if key not in seen else None)
+        if key not in colours or done is None:
+            continue
+        ax.barh(rows.index(unit) - 0.17, max(done - issued, 0.1), left=issued, height=0.3,
+                color=colours[key], edgecolor="black", linewidth=0.4,
+                label=labels[key] if key not in seen else None)
         seen.add(key)
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_ylim(-0.7, len(rows) - 0.1)
-    ax.set_xlim(marks["forward"] - 1, marks["end"] + 1)
-    ax.set_xlabel("ms since forward began (rank 0); a marker is the moment the collective was issued")
-    ax.set_title("One ZeRO-3 step, GPT with 4 blocks (dim 32), N = 2: zero.Ledger records by issue time",
-                 fontsize=10)
-    ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
+    ax.set_ylim(-0.6, len(rows) - 0.05)
+    ax.set_xlim(marks["forward"] - 0.5, marks["opt.zero_grad()"] + 0.5)
+    ax.set_xlabel("ms since forward began (rank 0); a collective's bar runs from its issue to the "
+                  "return of its wait()", fontsize=9)
+    ax.set_title("One ZeRO-3 step, GPT with 4 blocks (dim 32), N = 2: each unit's compute (light) "
+                 "and collectives (dark)", fontsize=10)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), framealpha=0.9)
     fig.tight_layout()
     fig.savefig(PNG, dpi=120)
 
@@ -153,51 +162,22 @@ def storage(rank, n):
 
 # ---- Part 3: memory ---------------------------------------------------------------------------
 
-class Transient(TorchDispatchMode):
-    """After every op: the bytes of unsharded parameters, full flat gradients and gradient
-    shards, and at their largest, whose they are."""
-
-    def __init__(self, units):
-        super().__init__()
-        self.units, self.peak, self.at_peak = units, 0, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        params = [u for u in self.units if u._unsharded_data.untyped_storage().nbytes()]
-        full = [u for u in self.units if u.unsharded.grad is not None or u._reduction is not None]
-        shards = [u for u in self.units if u._grad_shard is not None or u._reduction is not None]
-        now = (sum(u._unsharded_data.untyped_storage().nbytes() for u in params)
-               + sum(4 * u.layout.padded_numel for u in full)
-               + sum(4 * u.layout.shard_numel for u in shards))
-        if now > self.peak:
-            self.peak = now
-            self.at_peak = ([u.name for u in params], [u.name for u in full],
-                            [u.name for u in self.units if u._reduction is not None], len(shards),
-                            sum(4 * u.layout.shard_numel for u in shards))
-        return out
-
-
 def memory(rank, n):
     model, opt = build(MEMORY)
     step(model, opt, rank, 0)
     units = zero.units_of(model)
-    probe = Transient(units)
     with ZeroMemTracker(model, opt) as mt:
-        with probe:
-            x, y = batch(model, rank, 1)
-            model.loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        step(model, opt, rank, 1)
     peaks = mt.category_peaks[torch.device("cpu")]
+    predicted = schedule([u.layout.padded_numel for u in units], 3, n,
+                         sum(len(u.params) for u in units))
     return {"psi": sum(u.layout.numel for u in units),
             "unit": 4 * max(u.layout.padded_numel for u in units),
             "root": 4 * units[0].layout.padded_numel,
             "states": peaks[MODEL_STATES], "kept": mt.model_states_peak,
             "transient": mt.transient_peak,
-            "param": peaks[Ref.PARAM], "grad": peaks[Ref.GRAD],
             "kept_param": mt.state_peaks[Ref.PARAM], "kept_grad": mt.state_peaks[Ref.GRAD],
-            "kept_opt": mt.state_peaks[Ref.OPT], "probe": probe.peak, "at_peak": probe.at_peak,
-            "sharded": sum(4 * u.layout.shard_numel for u in units)}
+            "kept_opt": mt.state_peaks[Ref.OPT], "schedule": predicted}
 
 
 # ---- Part 4: mixed precision ---------------------------------------------------------------------
@@ -249,7 +229,7 @@ def per_unit(rank, n, mode):
         step(model, opt, rank, 1)
     out = {}
     for r in ledger.records:
-        if r.op != "all_reduce":
+        if r.op in ("all_gather", "reduce_scatter"):
             key = {("all_gather", "forward"): 0, ("all_gather", "backward"): 1,
                    ("reduce_scatter", "backward"): 2}[(r.op, r.phase)]
             out.setdefault(r.unit, [0, 0, 0])[key] += 1
@@ -257,17 +237,22 @@ def per_unit(rank, n, mode):
 
 
 def main():
-    records, marks, units, psi = run_ranks(timeline, WORLD_SIZE)[0]
+    t = trace(3, layers=TIMELINE.layers, dim=TIMELINE.dim, world_size=WORLD_SIZE)
+    compute, collectives, marks = spans(t)
+    units = [name for name, _ in t.units]
     print(f"N = {WORLD_SIZE} gloo ranks, stage 3, rank 0\n")
-    print(f"Part 1: one step of GPT {TIMELINE} (Ψ = {psi}), ledger records by issue time\n")
+    print(f"Part 1: one step of GPT {TIMELINE} (Ψ = {t.psi}), each collective from its issue to "
+          f"the return of its wait()\n")
     print("  phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in marks.items()))
-    print(f"\n  {'ms':>7}  {'op':<15} {'unit':<9} {'phase':<9} {'dtype':<14} {'buffer':>7} {'sent':>6}")
-    for op, unit, phase, dtype, buf, sent, t in records:
-        print(f"  {t:7.2f}  {op:<15} {unit:<9} {phase:<9} {dtype:<14} {buf:>7} {sent:>6}")
-    big = sum(r[5] for r in records if r[0] != "all_reduce")
+    print(f"\n  {'issued':>7} {'done':>7}  {'op':<15} {'unit':<9} {'phase':<9} {'dtype':<14} "
+          f"{'buffer':>7} {'sent':>6}")
+    for op, unit, phase, dtype, buf, sent, issued, done in collectives:
+        print(f"  {issued:7.2f} {done:7.2f}  {op:<15} {unit:<9} {phase:<9} {dtype:<14} {buf:>7} "
+              f"{sent:>6}")
+    big = sum(c[5] for c in collectives if c[0] in ("all_gather", "reduce_scatter"))
     print(f"\n  all-gathers + reduce-scatters: {big} bytes = "
-          f"{big / (4 * psi * (WORLD_SIZE - 1) / WORLD_SIZE):.3f} Ψ")
-    draw(records, marks, units)
+          f"{big / (4 * t.psi * (WORLD_SIZE - 1) / WORLD_SIZE):.3f} Ψ")
+    draw(compute, collectives, marks, units)
     print(f"  drawn: notes/figures/{os.path.basename(PNG)}")
 
     after, most, who, peak, sizes = run_ranks(storage, WORLD_SIZE)[0]
@@ -290,14 +275,11 @@ def main():
           f"optimizer {m['kept_opt']})")
     print(f"  measured, at the worst instant: {m['states']} = {m['states'] / psi:.3f} bytes/Ψ; "
           f"transient peak {m['transient']}")
-    params, full, flight, shards, shard_bytes = m["at_peak"]
-    print(f"  the worst instant, by a probe after every op: unsharded parameters of {params},")
-    print(f"    full flat gradients of {full} (reduce-scatter in flight: {flight}), gradient "
-          f"shards of {shards} units ({shard_bytes} bytes)")
-    print(f"    one block's full parameters or full gradient = {m['unit']} bytes; the root's "
+    sch = m["schedule"]
+    print(f"  zero.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
+          f"{sch['in_flight']} = {sch['peak']} (measured: {m['states']})")
+    print(f"  one block's full parameters or full gradient = {m['unit']} bytes; the root's "
           f"parameters {m['root']}")
-    print(f"    probe {m['probe']} + fp32 shards {m['sharded']} + optimizer state {m['kept_opt']} = "
-          f"{m['probe'] + m['sharded'] + m['kept_opt']}")
     stage2 = model_state_bytes(psi, n, stage=2, mixed_precision=False)
     print(f"  for comparison, the paper's stage 2: {stage2:.0f} = {stage2 / psi:.3f} bytes/Ψ")
 
