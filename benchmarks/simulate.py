@@ -9,6 +9,8 @@ MemTracker (``zerolab.trackers.ZeroMemTracker``) measures what rank R would hold
     python benchmarks/simulate.py --params 7.5e9 --world-size 64 --stage 1,2,3 --mixed-precision
     python benchmarks/simulate.py --table1            # the ZeRO paper's Table 1, ours beside it
     python benchmarks/simulate.py --table2 --memory 32e9   # the largest model that fits (Table 2)
+    python benchmarks/simulate.py --cluster           # memory and communication time side by
+                                                      # side, 64-1024 ranks, with HSDP and hpZ
 
 Model states are what the paper counts: parameters (the fp32 master shard, and for stages
 1/2 the full compute copy), gradients at their largest (full for stage 1, sharded for 2/3)
@@ -33,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
 from argtypes import comma_list, float_in, int_in  # noqa: E402
 from zero.init import init_parameters  # noqa: E402
+from zero.cost import Cluster, crosses_nodes, step_time  # noqa: E402
+from zero.comm import Record  # noqa: E402
 from zero.memory import model_state_bytes  # noqa: E402
 from zerolab.trackers import ZeroMemTracker  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
@@ -67,17 +71,26 @@ def gpt_config(params: float) -> GPTConfig:
 
 
 def simulate(params: float, world_size: int, stage: int, mixed_precision: bool = False,
-             rank: int = 0) -> dict:
-    """One training step of rank ``rank`` of ``world_size``, on fake tensors; its memory."""
+             rank: int = 0, hybrid: str | None = None, ranks_per_node: int = 8) -> dict:
+    """One training step of rank ``rank`` of ``world_size``, on fake tensors; its memory, and
+    the collectives it issued. ``hybrid``: "hsdp" (shard within a node of ``ranks_per_node``
+    ranks, replicate across nodes) or "hpz" (stage 3, a secondary shard per node)."""
     cfg = gpt_config(params)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
+        kw = {}
+        if hybrid:  # a mesh of (nodes, ranks per node), made outside FakeTensorMode
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world_size // ranks_per_node, ranks_per_node),
+                                    mesh_dim_names=("replicate", "shard"))
+            kw = {"mesh": mesh} if hybrid == "hsdp" else {"secondary_group": mesh.get_group(1)}
         with FakeTensorMode():
             with torch.device("meta"):
                 model = GPT(cfg)
             policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mixed_precision else None
             for unit in model.units():
-                zero.shard(unit, stage=stage, mp_policy=policy, device="cpu")
+                zero.shard(unit, stage=stage, mp_policy=policy, device="cpu", **kw)
             init_parameters(model)
             opt = torch.optim.AdamW(model.parameters())
             x = torch.randint(0, VOCAB, (BATCH, SEQ))
@@ -97,6 +110,7 @@ def simulate(params: float, world_size: int, stage: int, mixed_precision: bool =
         "paper_model_state_bytes": model_state_bytes(psi, world_size, stage, mixed_precision),
         "peak_bytes_by_category": {getattr(k, "value", k): v for k, v in peaks.items()},
         "sent_bytes_per_step": ledger.sent_bytes(),
+        "records": list(ledger.records),
         # per unit: (padded numel, shard numel, parameters), to check against the formulas
         "units": [(u.layout.padded_numel, u.layout.shard_numel, len(u.params)) for u in units],
     }
@@ -141,6 +155,47 @@ def table2(memory: float, world_sizes=(64,), probe: float = 1e9) -> list[str]:
     return out
 
 
+CLUSTERS = {  # per-GPU bandwidths: what one rank's ring can use
+    "dgx": Cluster("8 GPUs a node, NVLink 450 GB/s and 8 x 400 Gb/s InfiniBand (50 GB/s) a GPU",
+                   ranks_per_node=8, intra_gbs=450, inter_gbs=50),
+    "ethernet": Cluster("8 GPUs a node, NVLink 450 GB/s, one 100 Gb/s NIC a node (1.6 GB/s a GPU)",
+                        ranks_per_node=8, intra_gbs=450, inter_gbs=12.5 / 8),
+}
+
+
+def cluster_table(params: float, world_sizes, cluster: Cluster) -> list[str]:
+    """Memory per rank and predicted communication time per step (zero/cost.py), DDP and our
+    stages, flat and hybrid, side by side, mixed precision (the paper's K = 12)."""
+    out = [f"Cluster: {cluster.name}.", "",
+           "| N | system | model states GB | + transient GB | bytes sent GB (in / across "
+           "nodes) | comm s/step (intra / inter) |", "|---|---|---|---|---|---|"]
+    for n in world_sizes:
+        runs = [("DDP", None, 0)] + [(f"ZeRO-{s}", None, s) for s in (1, 2, 3)]
+        runs += [(f"HSDP-{s}", "hsdp", s) for s in (1, 2, 3)] + [("hpZ (ZeRO-3)", "hpz", 3)]
+        for name, hybrid, stage in runs:
+            if stage == 0:  # DDP: one all-reduce of the bf16 gradients over every rank
+                cfg = gpt_config(params)
+                psi = cfg.layers * (12 * cfg.dim**2 + 13 * cfg.dim) + (VOCAB + SEQ + 2) * cfg.dim
+                states, transient = model_state_bytes(psi, n, 0, True), 0
+                records = [Record("all_reduce", torch.bfloat16, 2 * psi,
+                                  int(2 * 2 * psi * (n - 1) / n), "", "backward", 0.0, "world", n)]
+            else:
+                r = simulate(params, n, stage, True, hybrid=hybrid,
+                             ranks_per_node=cluster.ranks_per_node)
+                states, transient = r["model_state_bytes_per_rank"], r["transient_bytes_per_rank"]
+                records = [x for x in r["records"] if x.op != "agree"]
+            t = step_time(records, cluster)
+            intra = sum(x.sent_bytes for x in records
+                        if not crosses_nodes(x.group, x.ranks, cluster))
+            total = sum(x.sent_bytes for x in records)
+            out.append(f"| {n} | {name} | {states / GB:.2f} | {transient / GB:.2f} | "
+                       f"{intra / GB:.2f} / {(total - intra) / GB:.2f} | "
+                       f"{t['total']:.3f} ({t.get('intra-node', 0):.3f} / "
+                       f"{t['total'] - t.get('intra-node', 0):.3f}) |")
+            print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float_in(0, MAX_PARAMS), default=7.5e9,
@@ -156,6 +211,9 @@ def main(argv=None) -> None:
     what.add_argument("--json", action="store_true", help="print a JSON list, one object per stage")
     what.add_argument("--table1", action="store_true", help="reproduce the ZeRO paper's Table 1")
     what.add_argument("--table2", action="store_true", help="the largest model that fits (Table 2)")
+    what.add_argument("--cluster", choices=sorted(CLUSTERS), nargs="?", const="dgx",
+                      help="memory and predicted communication time per step, DDP and ZeRO-1/2/3 "
+                           "flat and hybrid (HSDP, hpZ), at 64, 256 and 1024 ranks")
     p.add_argument("--memory", type=float_in(0, MAX_MEMORY), default=32e9,
                    help=f"bytes per device for --table2, at most {MAX_MEMORY:g}: stage 3 on 64 "
                         f"ranks fits {MAX_PARAMS:g} parameters in that, --params' bound")
@@ -166,11 +224,14 @@ def main(argv=None) -> None:
     if args.table1 or args.table2:
         lines = table1() if args.table1 else table2(args.memory)
         print("\n".join(lines))
+    elif args.cluster:
+        print("\n".join(cluster_table(args.params, (64, 256, 1024), CLUSTERS[args.cluster])))
     else:
         rows = [simulate(args.params, args.world_size, s, args.mixed_precision, args.rank)
                 for s in args.stage]
         if args.json:
-            print(json.dumps(rows, indent=1))
+            print(json.dumps([{k: v for k, v in r.items() if k != "records"} for r in rows],
+                             indent=1))
         else:
             for r in rows:
                 print(f"stage {r['stage']}, N={r['world_size']}, rank {r['rank']}, Ψ={r['params']:,}"

@@ -113,3 +113,32 @@ def _hpz_memory(rank, n, kw):
 def test_hpz_holds_a_secondary_shard_of_each_resharded_unit_until_its_backward():
     held, padded = run_ranks(_hpz_memory, 4, {"ranks_per_node": 2})[0]
     assert held == sum(p // 2 for p in padded)  # P / ranks-per-node of every resharded unit
+
+
+def test_cost_model_arithmetic():
+    from zero.cost import Cluster, collective_time, crosses_nodes
+
+    c = Cluster("test", ranks_per_node=8, intra_gbs=100, inter_gbs=10, intra_alpha_us=1,
+                inter_alpha_us=2)
+    # a ring all-reduce over 4 ranks of one node: 2 x 3 steps of 1 us, 1e9 bytes at 100 GB/s
+    assert collective_time("all_reduce", 1e9, 4, False, c) == pytest.approx(6e-6 + 1e-2)
+    # an all-gather over 16 ranks spans two nodes: 15 steps of 2 us, at 10 GB/s
+    assert collective_time("all_gather", 1e9, 16, True, c) == pytest.approx(30e-6 + 1e-1)
+    assert not crosses_nodes("world", 8, c) and crosses_nodes("world", 9, c)
+    assert crosses_nodes("inter-node", 2, c) and not crosses_nodes("intra-node", 64, c)
+
+
+def test_simulated_hsdp_sends_only_shards_across_nodes():
+    # benchmarks/simulate.py on fake ranks: 16 ranks as 2 nodes of 8; across nodes only the
+    # all-reduce of each rank's gradient shard, 2 (R-1)/R of P/8 (fp32: 4 bytes, R = 2)
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import simulate
+
+    r = simulate.simulate(2e7, 16, 3, hybrid="hsdp", ranks_per_node=8)
+    padded = sum(u[0] for u in r["units"])
+    inter = sum(x.sent_bytes for x in r["records"] if x.group == "inter-node")
+    assert inter == pytest.approx(4 * padded / 8, rel=1e-3)
+    assert {x.group for x in r["records"] if x.op in ("all_gather", "reduce_scatter")} == {"intra-node"}

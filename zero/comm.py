@@ -61,7 +61,8 @@ class Record:
     unit: str
     phase: str  # "init", "forward", "backward", "step", "agree" or "other"
     time: float  # time.perf_counter() when it was issued (a timeline of one step)
-    group: str = "world"  # which group it crossed (``name_group``): "shard", "replicate"...
+    group: str = "world"  # which group it crossed (``name_group``): "intra-node"...
+    ranks: int = 1  # how many ranks that group has
     done: float | None = None  # when this rank's wait() for it returned (None: not yet)
 
 
@@ -126,7 +127,7 @@ def _record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phas
     n = dist.get_world_size(group)
     nbytes = buffer.numel() * buffer.element_size()
     rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
-                 time.perf_counter(), group_name(group))
+                 time.perf_counter(), group_name(group), n)
     for ledger in _ACTIVE:
         ledger.records.append(rec)
     return rec

@@ -152,11 +152,10 @@ def _groups(group, mesh):
 
 def _mesh_group(mesh):
     """The group of all of a mesh's ranks (the world, when the mesh spans it)."""
-    ranks = sorted(mesh.mesh.flatten().tolist())
-    if ranks == list(range(dist.get_world_size())):
+    if mesh.size() == dist.get_world_size():
         return None
     if not hasattr(mesh, "_zero_all_group"):
-        mesh._zero_all_group = dist.new_group(ranks)
+        mesh._zero_all_group = dist.new_group(sorted(mesh.mesh.flatten().tolist()))
     return mesh._zero_all_group
 
 

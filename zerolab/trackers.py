@@ -157,7 +157,7 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
             return sum(w.mem_consumed for t in tensors
                        for w in self._update_and_maybe_create_winfos(t, reftype))
         for p in module.parameters():
-            if p.grad is not None:
+            if p.is_leaf and p.grad is not None:  # (inside forward: views, no .grad)
                 self._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
         return total(module.parameters(), _MemRefType.PARAM), total(module.buffers(),
                                                                     _MemRefType.BUFFER)
@@ -185,8 +185,11 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         res = super().__torch_dispatch__(func, types, args, kwargs)
         if func is _COPY and self._is_transient(args[0]):  # an upcast of a unit's gradient
             self._tag(res, _MemRefType.TEMP, transient=True)
-        if func is _CLONE and self._is_transient(args[0]) and self._is_grad(args[0]):
-            self._tag(res, _MemRefType.GRAD, transient=False)  # a shard copied out of it
+        if func is _CLONE and self._is_transient(args[0]):
+            if self._is_kind(args[0], _MemRefType.PARAM):  # hpZ's secondary shard, kept
+                self._tag(res, _MemRefType.PARAM, transient=True)  # from forward to backward
+            else:  # a gradient shard copied out of a full gradient (or of its upcast copy)
+                self._tag(res, _MemRefType.GRAD, transient=False)
         if func is _RS and not self._is_grad(args[1]):  # a buffer made for it (upcast)
             self._tag(args[1], _MemRefType.TEMP, transient=True)
         return res
@@ -204,7 +207,10 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
                    if st in self._WINFO)
 
     def _is_grad(self, t: torch.Tensor) -> bool:
-        return all(self._WINFO[st][0].reftype == _MemRefType.GRAD for st in get_untyped_storages(t))
+        return self._is_kind(t, _MemRefType.GRAD)
+
+    def _is_kind(self, t: torch.Tensor, reftype) -> bool:
+        return all(self._WINFO[st][0].reftype == reftype for st in get_untyped_storages(t))
 
     def _update_snap(self, u_type, winfo, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(u_type, winfo, *args, **kwargs)

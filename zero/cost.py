@@ -1,0 +1,62 @@
+"""How long a step's communication takes on a cluster: the ledger's bytes, an alpha-beta model.
+
+Each collective runs as a ring over the ranks of its group: an all-gather or a reduce-scatter
+takes p - 1 steps and sends (p - 1)/p of the buffer from every rank, an all-reduce twice
+that. A step costs a latency alpha, a byte costs 1/beta; beta is the slowest link the ring
+crosses: NVLink if all its ranks are on one node, the network if it spans nodes:
+
+    time = steps * alpha + sent_bytes / beta
+
+That is all the model knows: no overlap with computation, no contention between concurrent
+collectives, no hierarchical (tree, NVLS) algorithms. It is enough to see what hybrid sharding
+buys: which bytes cross the slow links.
+
+    cluster = Cluster("8 x H100 per node, NVLink 4, 4 x 200 Gb/s IB", ranks_per_node=8,
+                      intra_gbs=450, inter_gbs=12.5)
+    seconds = step_time(ledger.records, cluster)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "agree": 1}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-rank link bandwidths (GB/s, 1e9 bytes) and per-step latencies (microseconds)."""
+
+    name: str
+    ranks_per_node: int
+    intra_gbs: float  # within a node (NVLink), per GPU
+    inter_gbs: float  # across nodes (InfiniBand / RoCE), per GPU
+    intra_alpha_us: float = 5.0
+    inter_alpha_us: float = 10.0
+
+
+def collective_time(op: str, sent_bytes: float, ranks: int, crosses_nodes: bool,
+                    cluster: Cluster) -> float:
+    """Seconds for one collective that sends ``sent_bytes`` from each rank (ring accounting)."""
+    if ranks <= 1:
+        return 0.0
+    alpha = (cluster.inter_alpha_us if crosses_nodes else cluster.intra_alpha_us) * 1e-6
+    beta = (cluster.inter_gbs if crosses_nodes else cluster.intra_gbs) * 1e9
+    return STEPS[op] * (ranks - 1) * alpha + sent_bytes / beta
+
+
+def crosses_nodes(group: str, ranks: int, cluster: Cluster) -> bool:
+    """A group named "intra-node" stays in a node; any other spans nodes when it has more
+    ranks than a node (our flat groups place consecutive ranks on one node, as torchrun does)."""
+    return group != "intra-node" and (group == "inter-node" or ranks > cluster.ranks_per_node)
+
+
+def step_time(records, cluster: Cluster) -> dict[str, float]:
+    """Seconds of communication per step, by group, and in total, from ledger records."""
+    out: dict[str, float] = {}
+    for r in records:
+        t = collective_time(r.op, r.sent_bytes, r.ranks, crosses_nodes(r.group, r.ranks, cluster),
+                            cluster)
+        out[r.group] = out.get(r.group, 0.0) + t
+    out["total"] = sum(out.values())
+    return out
