@@ -39,7 +39,7 @@ import pytest
 import torch
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))
-LINK = re.compile(r"\[([^\[\]\n]+)\]\(((?:\.\./)+)([\w/.-]+\.py)#L(\d+)\)")
+LINK = re.compile(r"\[(`[^`\n]+`|[^\[\]`\n]+)\]\(((?:\.\./)+)([\w/.-]+\.py)#L(\d+)\)")
 
 
 def definitions(path: str) -> dict[str, tuple[int, int]]:
@@ -127,6 +127,8 @@ def test_the_rule_catches_a_link_one_line_off():
     assert problem("`grad.to(self.reduce_dtype)`", grads, at + 1) is not None
     assert problem("`grads.py`", grads, at) is not None
     assert problem("grads.py", grads, at) is not None
+    found = LINK.search("see [`grad[self._slot]`](../zero/grads.py#L7).")  # brackets in code
+    assert found and found.group(1) == "`grad[self._slot]`" and found.group(4) == "7"
 
 
 # ---- the figures' committed outputs ------------------------------------------------------
@@ -201,7 +203,8 @@ def test_memory_figures_quote_the_schedule():
     at = {stage: schedule(units, stage, 2, tensors) for stage in (1, 2, 3)}
     read = lambda name: open(os.path.join(FIGURES_DIR, f"{name}.txt")).read()  # noqa: E731
 
-    stage1 = _numbers(r"fp32: .*\n.*\n(?:.*\n)*?  model states +(\d+) = .* +(\d+) = ", read("stage1"))
+    stage1 = _numbers(r"fp32: .*\n(?:.*\n)*?  model states +(\d+) \( *[\d.]+\) +(\d+) \(",
+                      read("stage1"))
     assert stage1[0] == (at[1]["peak"], at[1]["at_rest"])
     said = _numbers(r"schedule, unit by unit: at rest (\d+) \+ in flight (\d+) = (\d+)", read("stage2"))
     assert said == [tuple(at[s][k] for k in ("at_rest", "in_flight", "peak")) for s in (1, 2)]

@@ -74,7 +74,6 @@ def version_check(write_through: str, view_by: str):
     data.untyped_storage().resize_(8 * 4)  # ... and refills before backward
     after = data.untyped_storage().data_ptr()
     follows = w.untyped_storage().data_ptr() == after
-    moved = f"bytes moved {before != after}, saved view follows {follows}"
     with torch.no_grad():
         (leaf if write_through == "leaf" else data).copy_(torch.randn(8))
     try:
@@ -82,8 +81,9 @@ def version_check(write_through: str, view_by: str):
         result = f"backward ok, leaf.grad {tuple(leaf.grad.shape)}"
     except RuntimeError as e:
         result = "RuntimeError: " + str(e).split(".")[0].split(": [")[0]
-    print(f"view by {view_by:<5}, refill through {write_through:<4} ({moved}): versions leaf "
+    print(f"view by {view_by:<5}, refill through {write_through:<4}: versions leaf "
           f"{leaf._version}, alias {data._version}, saved view {w._version} -> {result}")
+    return before != after, follows
 
 
 def storage_sizes(rank, n):
@@ -106,8 +106,10 @@ def main():
     for how in ("one split (FlatLayout.views)", "one slice per parameter"):
         backward_ops(how)
     print("\n== 2. refilling freed storage that autograd saved")
-    for where, view_by in (("leaf", "split"), ("leaf", "slice"), ("data", "split")):
-        version_check(where, view_by)
+    moved = [version_check(where, view_by)
+             for where, view_by in (("leaf", "split"), ("leaf", "slice"), ("data", "split"))]
+    print(f"each time, the refill moved the bytes: {all(m for m, _ in moved)}; "
+          f"the saved view follows them: {all(f for _, f in moved)}")
     print(f"\n== 3. storage bytes of a stage-3 unit's full flat buffer (rank 0 of {WORLD_SIZE})")
     for k, v in run_ranks(storage_sizes, WORLD_SIZE)[0].items():
         print(f"  {k:<32} {v:>6} bytes")

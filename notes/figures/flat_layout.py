@@ -38,7 +38,8 @@ def main():
     print(f"One GPT block (dim {DIM}) as one unit at N = {WORLD_SIZE}: "
           f"numel {r0['numel']}, padded_numel {r0['padded']} "
           f"(pad {r0['padded'] - r0['numel']}), shard_numel {S}\n")
-    print(f"{'parameter':<13} {'shape':>10} {'numel':>6}  {'flat range':>14}  "
+    letters = "abcdefghijklmnopqrstuvwxyz"  # each parameter's letter in the bar below
+    print(f"  {'parameter':<13} {'shape':>10} {'numel':>6}  {'flat range':>14}  "
           "pieces (rank: param elements)")
     for i, (name, shape) in enumerate(zip(r0["names"], r0["shapes"])):
         lo, n = r0["offsets"][i], r0["numels"][i]
@@ -48,12 +49,12 @@ def main():
                 if p.param_index == i:
                     held.append(f"r{r}: [{p.param_offset}, {p.param_offset + p.length})")
         mark = "  <- straddles" if len(held) > 1 else ""
-        print(f"{name:<13} {str(shape):>10} {n:>6}  [{lo:>5}, {lo + n:>5})  {', '.join(held)}{mark}")
-    print(f"{'(padding)':<13} {'':>10} {r0['padded'] - r0['numel']:>6}  "
+        print(f"{letters[i]} {name:<13} {str(shape):>10} {n:>6}  [{lo:>5}, {lo + n:>5})  "
+              f"{', '.join(held)}{mark}")
+    print(f". {'(padding)':<13} {'':>10} {r0['padded'] - r0['numel']:>6}  "
           f"[{r0['numel']:>5}, {r0['padded']:>5})  r{WORLD_SIZE - 1}")
 
-    # The bar: one letter per parameter, scaled to BAR characters; | marks shard boundaries.
-    letters = "abcdefghijklmnopqrstuvwxyz"
+    # The bar: each parameter's letter, scaled to BAR characters; | marks shard boundaries.
     scale = r0["padded"] / BAR
     cells = []
     for c in range(BAR):
@@ -66,15 +67,17 @@ def main():
         if c and int(c * scale // S) != int((c - 1) * scale // S):
             bar += "|"
         bar += ch
-    print(f"\nflat   |{bar}|   (1 char ~ {scale:.0f} elements; "
-          "smaller parameters fall between characters)")
+    print(f"\nflat   |{bar}|")
     cells = [f" rank {r} ".center(BAR // WORLD_SIZE, " ") for r in range(WORLD_SIZE)]
     print("shards |" + "|".join(cells) + "|")
-    print("key    " + ", ".join(f"{letters[i]}={nm}" for i, nm in enumerate(r0["names"])))
+    print(f"(a letter is the parameter of the table's first column; 1 character ~ {scale:.0f} "
+          "elements,\n so the parameters smaller than that fall between characters)")
 
-    print("\nWhat each rank's optimizer sees (model.named_parameters() after zero.shard):")
+    print("\nWhat each rank's optimizer sees (model.named_parameters() after zero.shard: every "
+          "name,\na 1-D piece; here only the non-empty ones):")
     for r, o in enumerate(out):
-        print(f"  rank {r}: " + ", ".join(f"{nm} {list(s)}" for nm, s in o["local"]))
+        held = [f"{nm} {list(s)}" for nm, s in o["local"] if s[0]]
+        print(f"  rank {r}: " + ", ".join(held) + f"; {len(o['local']) - len(held)} empty pieces")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def main():
         print(f"{i:>2}  {r.op:<15} {r.unit:<9} {r.phase:<9} {str(r.dtype):<14} "
               f"{r.buffer_bytes:>12} {r.sent_bytes:>10}")
     total = sum(r.sent_bytes for r in records)
-    big = sum(r.sent_bytes for r in records if r.op != "all_reduce")
+    big = sum(r.sent_bytes for r in records if r.op in ("all_gather", "reduce_scatter"))
     print(f"\nsent_bytes: {total} in all; {big} in all-gathers and reduce-scatters = "
           f"{big / (4 * psi * (WORLD_SIZE - 1) / WORLD_SIZE):.4f} Ψ (fp32, ring)")
     print("  by (op, phase): " + ", ".join(
