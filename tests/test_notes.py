@@ -186,6 +186,21 @@ def test_a_figure_output_is_what_its_script_prints_today(name, monkeypatch):
         f"{path} is stale: python notes/figures/{name}.py > notes/figures/{name}.txt")
 
 
+def test_a_quoted_trace_is_the_committed_one():
+    """A chapter quotes ``python -m zero trace`` whole: the committed output, but for the times
+    (tests/test_trace.py holds the committed output to a fresh run)."""
+    times = re.compile(r"^ *\d+\.\d\d  ", re.M)
+    quoted = 0
+    for chapter in chapters():
+        for block in re.findall(r"```\n(ZeRO-\d: one training step.*?)```", open(chapter).read(),
+                                re.S):
+            stage = block[5]
+            committed = open(os.path.join(FIGURES_DIR, f"trace_stage{stage}.txt")).read()
+            assert times.sub("  ", block) == times.sub("  ", committed), (chapter, stage)
+            quoted += 1
+    assert quoted >= 1
+
+
 def _numbers(pattern: str, text: str) -> list[tuple[int, ...]]:
     return [tuple(int(g) for g in m.groups()) for m in re.finditer(pattern, text)]
 

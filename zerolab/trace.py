@@ -214,7 +214,7 @@ def _collective(e: Event, current: str) -> str:
     if e.done:
         return f"{op} done"
     if r.op == "agree":
-        return f"agree: same next step on every rank? {_b(r.buffer_bytes)}"
+        return f"agree on the next step, {_b(r.buffer_bytes)}"
     if r.op == "all_gather":
         why = ""
         if r.phase == "step":
@@ -269,8 +269,9 @@ def narrate(t: Trace) -> list[str]:
     counts = {op: sum(r.op == op for r in t.records) for op in OPS}
     big = sent["all_gather"] + sent["reduce_scatter"]
     ring = 4 * t.psi * (t.world_size - 1) / t.world_size
-    parts = [f"{counts[op]} {OPS[op]} {_b(sent[op])}" for op in OPS if counts[op]]
-    out += ["", "sent by this rank (ring accounting): " + ", ".join(parts),
+    parts = [f"{OPS[op]} {counts[op]}x {_b(sent[op])}" for op in OPS if counts[op]]
+    out += ["", "sent by this rank (ring accounting): " + ", ".join(parts[:2]) + ",",
+            "  " + ", ".join(parts[2:]),
             f"all-gathers + reduce-scatters: {_b(big)} = {big / ring:.3f} Ψ "
             f"(Ψ sends (N-1)/N x 4 x {t.psi} bytes)"]
     return out

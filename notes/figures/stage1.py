@@ -5,7 +5,9 @@
 The model is tests/test_memory.py's GPT (8 blocks of dim 64, vocab 64, seq 16; 9 units) on
 2 gloo ranks, AdamW, batch 2; rank 0's view after one warm-up step.
 Part 1: per-category peaks by zerolab.trackers.ZeroMemTracker, fp32 and bf16/fp32 mixed precision,
-beside the paper's formula. Part 2: when each collective is issued and waited for, around
+beside the paper's formula; in bytes, and in bytes per parameter (per Ψ). The tracker calls
+transient what lives only for a while within the step (here: mixed precision's fp32 copy of a
+unit's gradient for its reduce-scatter); the last column leaves it out. Part 2: when each collective is issued and waited for, around
 the end of backward and the optimizer step (the script wraps Unit's methods to log them; the
 library itself records nothing but the ledger). Part 3: what the optimizer holds. Part 4: an
 optimizer built before zero.shard.
@@ -149,12 +151,13 @@ def main():
         m = run_ranks(memory, WORLD_SIZE, mp)[0]
         psi, n = m["psi"], WORLD_SIZE
         print(("bf16 params / fp32 reduce" if mp else "fp32") + f": Ψ = {psi} (padded {m['padded']})")
-        print(f"  {'category':<20} {'peak, any instant':>24} {'peak, less transients':>24}")
+        print(f"  {'bytes (bytes per Ψ)':<20} {'peak at any instant':>24} "
+              f"{'peak without transients':>26}")
         for key, label in (("param", "parameters"), ("grad", "gradients"), ("opt", "optimizer state"),
                            ("states", "model states"), ("transient", "transient")):
-            cells = [f"{v[key]:>9} = {v[key] / psi:6.3f} Ψ" if v[key] is not None else ""
+            cells = [f"{v[key]:>9} ({v[key] / psi:6.3f})" if v[key] is not None else ""
                      for v in (m["peak"], m["kept"])]
-            print(f"  {label:<20} {cells[0]:>24} {cells[1]:>24}")
+            print(f"  {label:<20} {cells[0]:>24} {cells[1]:>26}".rstrip())
         formula = model_state_bytes(psi, n, stage=1, mixed_precision=mp)
         ddp = model_state_bytes(psi, n, stage=0, mixed_precision=mp)
         k = "(2 + 2) Ψ + 12 Ψ / N" if mp else "(4 + 4) Ψ + 8 Ψ / N"
