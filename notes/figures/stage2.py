@@ -9,8 +9,8 @@ flat leaf fires per backward, for a plain GPT, a GPT whose first block is called
 activation checkpointing inside / around each block (tests/test_features.py's variants).
 Part 2: tests/test_memory.py's model (8 blocks of dim 64): the gradients' peak and the
 model states' (ZeroMemTracker), beside tests/test_memory.py's bound and zero.memory.schedule.
-Part 3: a unit with a frozen layer in front of a trainable one: the order of events in
-backward. Part 4: UnevenMLP (a frozen and an unused layer): which parameters get a gradient,
+Part 3: a module with a frozen layer in front of a trainable one (sharded as two units, its
+trainable and its frozen parameters): the order of events in backward. Part 4: UnevenMLP (a frozen and an unused layer): which parameters get a gradient,
 and the one all-reduce that agrees on it. Part 5: two micro-batches, the first under no_sync.
 Part 6: reentrant activation checkpointing: every parameter gets its gradient at every stage
 (an earlier version left 24 of 28 without one at stages 1 and 2).
@@ -121,8 +121,8 @@ class FrozenFirst(nn.Module):
     def forward(self, x):
         z = self.frozen(x)
         if z.grad_fn is not None:  # runs when backward reaches the frozen layer: it reads frozen.weight
-            z.grad_fn.register_hook(lambda gin, gout: events.append(
-                "the frozen layer's backward runs: grad of its input = grad of its output @ frozen.weight"))
+            z.grad_fn.register_hook(lambda gin, gout: note(
+                "the frozen layer's backward reads frozen.weight"))
         return self.trained(z)
 
 
@@ -137,21 +137,32 @@ class Outer(nn.Module):
         return self.head(self.unit(self.inp(x)))
 
 
-events = []
+events, watched = [], []
+
+
+def note(what):
+    """An event, and the full-parameter bytes of the unit's trainable and frozen parts."""
+    sizes = ", ".join(f"{name} {u.unsharded.untyped_storage().nbytes()} B" for name, u in watched)
+    events.append(f"{what:<48} full: {sizes}")
 
 
 def frozen_order(rank, n, stage):
     torch.manual_seed(0)
     model = Outer()
-    zero.shard(model.unit, stage=stage)
+    zero.shard(model.unit, stage=stage)  # two units: its trainable and its frozen parameters
     zero.shard(model, stage=stage)
-    unit = model.unit._zero_unit
-    unit.unsharded.register_post_accumulate_grad_hook(
-        lambda leaf: events.append(f"the unit's flat leaf is complete: post_backward fires "
-                                   f"(storage {unit._unsharded_data.untyped_storage().nbytes()} bytes)"))
+    units = zero.units_of(model.unit)
+    watched[:] = [("trained", next(u for u in units if u.sibling_of is None)),
+                  ("frozen", next(u for u in units if u.sibling_of is not None))]
+    watched[0][1].unsharded.register_post_accumulate_grad_hook(
+        lambda leaf: note("trainable gradient complete; post_backward next"))
+    def hook_input(module, args):
+        args[0].register_hook(lambda grad: note("the gradient of the unit's input exists"))
+
+    model.unit.register_forward_pre_hook(hook_input)
     events.clear()
     model(torch.randn(4, 8)).sum().backward()
-    events.append(f"backward returns (storage {unit._unsharded_data.untyped_storage().nbytes()} bytes)")
+    note("backward returns")
     return list(events)
 
 
@@ -267,13 +278,13 @@ def main():
                   f"full gradient = {bound:.0f}: measured / bound = {g['tracker'] / bound:.3f}")
         paper = model_state_bytes(g["psi"], n, stage=stage, mixed_precision=False)
         sch = g["schedule"]
-        print(f"  model states: less transients {g['kept']} = {g['kept'] / g['psi']:.3f} bytes/Ψ, "
+        print(f"  model states: without transients {g['kept']} = {g['kept'] / g['psi']:.3f} bytes/Ψ, "
               f"at the worst instant {g['states']} = {g['states'] / g['psi']:.3f} bytes/Ψ; "
               f"paper {paper:.0f} = {paper / g['psi']:.3f} bytes/Ψ")
         print(f"  zero.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
               f"{sch['in_flight']} = {sch['peak']}\n")
 
-    print("Part 3: a unit whose frozen layer runs before its trainable one (x -> inp -> "
+    print("Part 3: a module whose frozen layer runs before its trainable one (x -> inp -> "
           "[frozen -> trained] -> head); order of events in backward\n")
     for stage in (2, 3):
         print(f"  stage {stage}:")

@@ -270,7 +270,7 @@ def main():
     formula = model_state_bytes(psi, n, stage=3, mixed_precision=False)
     print(f"\nPart 3: model states, tests/test_memory.py's model (Ψ = {psi}), fp32\n")
     print(f"  paper (4 + 4 + 8) Ψ / N = {formula:.0f} bytes = {formula / psi:.3f} bytes/Ψ")
-    print(f"  measured, less transients (ZeroMemTracker.model_states_peak): {m['kept']} = "
+    print(f"  measured, without transients (ZeroMemTracker.model_states_peak): {m['kept']} = "
           f"{m['kept'] / psi:.3f} bytes/Ψ (params {m['kept_param']}, grads {m['kept_grad']}, "
           f"optimizer {m['kept_opt']})")
     print(f"  measured, at the worst instant: {m['states']} = {m['states'] / psi:.3f} bytes/Ψ; "
