@@ -198,7 +198,7 @@ def test_a_quoted_trace_is_the_committed_one():
             committed = open(os.path.join(FIGURES_DIR, f"trace_stage{stage}.txt")).read()
             assert times.sub("  ", block) == times.sub("  ", committed), (chapter, stage)
             quoted += 1
-    assert quoted >= 1
+    assert quoted >= 3
 
 
 def _numbers(pattern: str, text: str) -> list[tuple[int, ...]]:
