@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero
+from zerolab.systems import average_gradients as average_grads  # DDP by hand
 
 ZERO = ("zero1", "zero2", "zero3")
 ALL = ("ref", "fsdp2", *ZERO)
@@ -140,20 +141,6 @@ def reshard_fsdp2(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def average_grads(model: nn.Module) -> None:
-    """What DDP does to gradients, by hand: the mean over ranks of every gradient that some rank
-    has (a rank without one contributes zeros; unused everywhere stays None)."""
-    params = list(model.parameters())
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    for p, h in zip(params, has.tolist()):
-        if h:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.div_(dist.get_world_size())
 
 
 def zero_full(model: nn.Module, what: str) -> dict[str, torch.Tensor | None]:
