@@ -5,9 +5,23 @@
 Each system trains the default GPT of compare_stages.py on 2 CPU ranks; the third step is
 recorded with torch.profiler on every rank. Rank 0's Chrome trace is saved (open it in
 https://ui.perfetto.dev), and a PNG draws, per system, the main thread (each unit's forward,
-the backward, the optimizer) above the gloo threads that run the collectives: what overlaps
-with what. The root's own forward (embeddings, head) is the gap before the first block and
-after the last.
+the backward, the optimizer) above the lanes of its collectives:
+
+- for our stages, each collective of the ledger as a span from the moment it was issued
+  (``Record.time``) to the moment this rank's ``wait()`` for it returned (``Record.done``):
+  how long the rank had it in flight. Spans that overlap go on lanes of their own, so the
+  number of lanes is the most collectives in flight at once. The Chrome trace carries the
+  same spans on a thread named "zero ledger: issued -> wait() returned";
+- for every system, the gloo threads, which run the collectives' work: when gloo actually
+  moved and reduced the bytes (the profiler's ``gloo:`` events).
+
+What ``done`` means depends on the backend. On gloo, ``wait()`` returns when the collective
+has finished on this rank, so a span is the time the collective was in flight. Under NCCL,
+``wait()`` only makes the current CUDA stream wait for the collective's stream and returns at
+once; a span would then end when the CPU queued that dependency, and the GPU timeline (the
+profiler's NCCL kernels) is the one to read.
+
+The root's own forward (embeddings, head) is the gap before the first block and after the last.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 
 import torch
@@ -29,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare_stages as cs  # noqa: E402
 from argtypes import comma_list, output_file, positive_int  # noqa: E402
 
+import zero  # noqa: E402
 from zerolab.launch import run_ranks  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
 from zerolab.systems import KINDS as ALL_KINDS, System  # noqa: E402
@@ -37,7 +53,8 @@ KINDS = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
            "all_gather": "#8172b3", "all_reduce": "#c44e52", "reduce_scatter": "#c44e52",
-           "broadcast": "#937860"}
+           "broadcast": "#937860", "agree": "#bbbbbb"}
+LEDGER = "zero ledger: issued -> wait() returned"
 
 
 def trace(rank: int, n: int, kind: str, tmp: str, dim: int, layers: int) -> str | None:
@@ -68,25 +85,54 @@ def trace(rank: int, n: int, kind: str, tmp: str, dim: int, layers: int) -> str 
         mod = model.get_submodule(name)
         mod.register_forward_pre_hook(enter(name))
         mod.register_forward_hook(leave(name))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, zero.Ledger() as ledger:
+        with record_function("zero::t0"):  # ties perf_counter to the profiler's clock
+            t0 = time.perf_counter()
         system.step(rank, 2, batch=cs.BATCH)
     if rank != 0:
         return None
     path = os.path.join(tmp, f"{kind}.json")
     prof.export_chrome_trace(path)
+    add_ledger(path, t0, ledger.records)
     return path
 
 
-def lanes(path: str) -> dict[str, list[tuple[float, float, str, str]]]:
-    """{lane: [(start ms, duration ms, kind, label)]} from a Chrome trace."""
+def add_ledger(path: str, t0: float, records) -> None:
+    """Write each ledger record into the Chrome trace: a span from issue to wait() returned."""
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    mark = next(e for e in events if e.get("name") == "zero::t0")
+    pid = mark["pid"]
+    for r in records:
+        if r.done is None:
+            continue
+        events.append({"ph": "X", "cat": "zero_ledger", "pid": pid, "tid": LEDGER,
+                       "name": f"{r.op} {r.unit}".strip(),
+                       "ts": mark["ts"] + 1e6 * (r.time - t0), "dur": 1e6 * (r.done - r.time),
+                       "args": {"phase": r.phase, "buffer_bytes": r.buffer_bytes,
+                                "sent_bytes": r.sent_bytes, "group": r.group,
+                                "dtype": str(r.dtype)}})
+    events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": LEDGER,
+                   "args": {"name": LEDGER}})
+    with open(path, "w") as f:
+        json.dump(trace, f)
+
+
+def lanes(path: str) -> dict[str, list[tuple]]:
+    """{lane: [(start ms, duration ms, kind, label[, sub-row, sub-rows])]} from a Chrome trace."""
     events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
-    t0 = min(e["ts"] for e in events)
-    main = max({e["tid"] for e in events}, key=lambda t: sum(e["tid"] == t for e in events))
+    t0 = min(e["ts"] for e in events if e.get("cat") != "zero_ledger")
+    threads = [e["tid"] for e in events if isinstance(e["tid"], int)]
+    main = max(set(threads), key=threads.count)
     out: dict[str, list] = {"main thread": []}
-    backward = []
+    backward, ledger = [], []
     for e in events:
         start, dur, name = (e["ts"] - t0) / 1e3, e["dur"] / 1e3, e["name"]
-        if e["tid"] == main and name.startswith("forward "):
+        if e["tid"] == LEDGER:
+            op, _, unit = name.partition(" ")
+            ledger.append((start, dur, op, unit))
+        elif e["tid"] == main and name.startswith("forward "):
             out["main thread"].append((start, dur, "forward", name[8:]))
         elif e["tid"] == main and name.startswith("autograd::engine::evaluate_function"):
             backward.append((start, dur))
@@ -94,11 +140,31 @@ def lanes(path: str) -> dict[str, list[tuple[float, float, str, str]]]:
             out["main thread"].append((start, dur, "optimizer", "step"))
         elif name.startswith("gloo:"):
             op = name[5:]
-            out.setdefault(f"gloo thread {e['tid']}", []).append(
-                (start, dur, op, ""))
+            out.setdefault(f"gloo thread {e['tid']:>12}", []).append((start, dur, op, ""))
+    threads = sorted(k for k in out if k.startswith("gloo thread "))
+    for i, old in enumerate(threads, 1):  # thread ids differ between runs: number them
+        out[f"gloo thread {i}"] = out.pop(old)
     for start, end in _merge(backward, gap=0.05):
         out["main thread"].append((start, end - start, "backward", ""))
-    return out
+    if ledger:  # one row; collectives in flight at once share it, each on a sub-row
+        packed = _pack(ledger)
+        out["in flight (ledger)"] = [(*span, i, len(packed))
+                                     for i, lane in enumerate(packed) for span in lane]
+    return dict(sorted(out.items(), key=lambda kv: not kv[0].startswith(("main", "in flight"))))
+
+
+def _pack(spans):
+    """Spans on as few lanes as keep each lane's spans apart (the first lane that is free)."""
+    lanes_: list[list] = []
+    for span in sorted(spans):
+        for lane in lanes_:
+            last = lane[-1]
+            if last[0] + last[1] <= span[0]:
+                lane.append(span)
+                break
+        else:
+            lanes_.append([span])
+    return lanes_
 
 
 def _merge(spans, gap):
@@ -118,21 +184,35 @@ def draw(per_kind: dict, png: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [(kind, lane) for kind, ls in per_kind.items() for lane in ls]
-    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(14, 0.5 * len(rows) + 1.6))
     for y, (kind, lane) in enumerate(reversed(rows)):
-        for start, dur, what, label in per_kind[kind][lane]:
-            ax.barh(y, dur, left=start, color=COLOURS.get(what, "gray"), edgecolor="white",
-                    linewidth=0.3)
-            if label and what == "forward" and dur > 3:
-                ax.text(start + dur / 2, y, label.replace("blocks.", "b"), ha="center",
-                        va="center", fontsize=6, color="white")
-    ax.set_yticks(range(len(rows)), [f"{k}: {lane}" for k, lane in reversed(rows)], fontsize=8)
-    ax.set_xlabel("ms since the step began (rank 0)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()][:6]
-    ax.legend(handles, ["forward (per unit)", "backward", "optimizer", "all-gather",
-                        "reduce-scatter / all-reduce", "broadcast"], fontsize=7, ncol=6,
-              loc="upper center", bbox_to_anchor=(0.5, 1.08))
+        for start, dur, what, label, *sub in per_kind[kind][lane]:
+            row, rows_ = sub or (0, 1)
+            height = 0.8 / rows_
+            centre = y + 0.4 - height * (row + 0.5)  # the first sub-row on top
+            ax.barh(centre, max(dur, 0.15), left=start, color=COLOURS.get(what, "gray"),
+                    edgecolor="white", linewidth=0.3, height=height)
+            big = dur > (3 if what == "forward" else 5)
+            if label and big and (what == "forward" or rows_ <= 3):
+                ax.text(start + dur / 2, centre, label.replace("blocks.", "b"), ha="center",
+                        va="center", fontsize=6 if rows_ == 1 else 5, color="white")
+    for y, (kind, lane) in enumerate(reversed(rows)):
+        if lane == "main thread" and y + 1 < len(rows):
+            ax.axhline(y + 0.5, color="#999999", linewidth=0.6)
+    ax.set_yticks(range(len(rows)), [f"{k}: {lane}" for k, lane in reversed(rows)], fontsize=7.5)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel("ms since the step began (rank 0). in flight: each of zero's collectives from "
+                  "its issue to the return of its wait(), one sub-row per collective in flight "
+                  "at once; gloo threads: when gloo did the work", fontsize=8)
+    names = ["forward (per unit)", "backward", "optimizer", "all-gather",
+             "reduce-scatter / all-reduce", "broadcast", "agree"]
+    kinds = ["forward", "backward", "optimizer", "all_gather", "reduce_scatter", "broadcast",
+             "agree"]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds]
+    ax.legend(handles, names, fontsize=7, ncol=7, loc="lower center",
+              bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
+    fig.subplots_adjust(left=max(fig.subplotpars.left, 0.13))
     fig.savefig(png, dpi=130)
 
 
