@@ -264,6 +264,24 @@ def test_checkpoint_costs_quote_the_traffic_formula():
         assert formula <= sent - 16 * (n - 1) <= formula + 4 * 12 * n  # padding: a row per rank
 
 
+def test_the_readme_says_how_long_the_code_is():
+    """The README's sizes are lines of files (docstrings and comments included), within 10%."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    lines = lambda paths: sum(len(open(os.path.join(ROOT, p)).read().splitlines())  # noqa: E731
+                              for p in paths)
+    mechanism = [f"zero/{m}.py" for m in ("flat", "comm", "stage", "unit", "hooks", "grads",
+                                           "root", "shard")]
+    package = glob.glob(os.path.join(ROOT, "zero", "*.py"))
+    said = re.search(r"The\s+three stages alone take (\d+) lines.*?the mechanism of the full package"
+                     r".*?about ([\d,]+);.*?the whole\s+package.*?about ([\d,]+)", readme, re.S)
+    assert said, "the README's sentence about sizes changed: update this test"
+    minimal, mech, whole = (int(g.replace(",", "")) for g in said.groups())
+    assert lines(["zero/minimal.py"]) <= minimal
+    for claim, measured in ((mech, lines(mechanism)), (whole, lines(package))):
+        assert abs(claim - measured) <= 0.1 * measured, (
+            f"the README says about {claim} lines, the code has {measured}: update the README")
+
+
 # ---- python tests/test_notes.py --fix: re-point links after code moved -------------------
 
 def _place(label: str, full: str, line: int) -> int | None:
