@@ -54,7 +54,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
            "all_gather": "#8172b3", "all_reduce": "#c44e52", "reduce_scatter": "#c44e52",
            "broadcast": "#937860", "agree": "#bbbbbb"}
-LEDGER = "zero ledger: issued -> wait() returned"
+LEDGER = "zero ledger: issued -> wait() returned"  # a thread of its own in the Chrome trace
+LEDGER_TID = 999_999
 
 
 def trace(rank: int, n: int, kind: str, tmp: str, dim: int, layers: int) -> str | None:
@@ -107,13 +108,13 @@ def add_ledger(path: str, t0: float, records) -> None:
     for r in records:
         if r.done is None:
             continue
-        events.append({"ph": "X", "cat": "zero_ledger", "pid": pid, "tid": LEDGER,
+        events.append({"ph": "X", "cat": "zero_ledger", "pid": pid, "tid": LEDGER_TID,
                        "name": f"{r.op} {r.unit}".strip(),
                        "ts": mark["ts"] + 1e6 * (r.time - t0), "dur": 1e6 * (r.done - r.time),
                        "args": {"phase": r.phase, "buffer_bytes": r.buffer_bytes,
                                 "sent_bytes": r.sent_bytes, "group": r.group,
                                 "dtype": str(r.dtype)}})
-    events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": LEDGER,
+    events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": LEDGER_TID,
                    "args": {"name": LEDGER}})
     with open(path, "w") as f:
         json.dump(trace, f)
@@ -123,13 +124,13 @@ def lanes(path: str) -> dict[str, list[tuple]]:
     """{lane: [(start ms, duration ms, kind, label[, sub-row, sub-rows])]} from a Chrome trace."""
     events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
     t0 = min(e["ts"] for e in events if e.get("cat") != "zero_ledger")
-    threads = [e["tid"] for e in events if isinstance(e["tid"], int)]
+    threads = [e["tid"] for e in events if e["tid"] != LEDGER_TID]
     main = max(set(threads), key=threads.count)
     out: dict[str, list] = {"main thread": []}
     backward, ledger = [], []
     for e in events:
         start, dur, name = (e["ts"] - t0) / 1e3, e["dur"] / 1e3, e["name"]
-        if e["tid"] == LEDGER:
+        if e["tid"] == LEDGER_TID:
             op, _, unit = name.partition(" ")
             ledger.append((start, dur, op, unit))
         elif e["tid"] == main and name.startswith("forward "):
