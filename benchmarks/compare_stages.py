@@ -52,7 +52,8 @@ PAPER_STAGE = {"ddp": 0, "ddp+zro": 1, "zero1": 1, "zero2": 2, "zero3": 3,
 
 def measure(rank: int, n: int, kind: str, args) -> dict:
     """Train one system on this rank; return its losses, bytes, memory and step times."""
-    device = torch.device(args.device, rank % max(1, torch.cuda.device_count())) \
+    local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's: this rank's GPU on its node
+    device = torch.device(args.device, local % max(1, torch.cuda.device_count())) \
         if args.device == "cuda" else torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -240,6 +241,9 @@ def main(argv=None) -> None:
     if lead:
         command = ["benchmarks/compare_stages.py", *(sys.argv[1:] if argv is None else argv)]
         report.write(rows, args, command, PAPER_STAGE)
+    if "RANK" in os.environ:  # leave together, and tear the group down before Python exits
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def compare(args, lead: bool) -> list[dict]:
