@@ -114,9 +114,9 @@ def _expected(units, stage, mp):
     params = 2 * P + 4 * S if mp else 4 * P  # compute copy (+ fp32 master shard when it is apart)
     if stage == 2:
         return params + 4 * S + optim  # fp32 gradient shards (the paper counts 2-byte ones)
-    # stage 1: the full gradient; without a cast each rank's shard is reduced in place into its
-    # own slot of it (with a cast, each upcast copy frees the bf16 gradient before its shard
-    # exists)
+    # stage 1: the full gradient, each rank's shard reduced in place into its own slot of it
+    # (with a cast, every bf16 gradient lives until backward ends; then each upcast copy frees
+    # its bf16 gradient before its shard exists)
     return params + (2 * P if mp else 4 * P) + optim
 
 

@@ -8,9 +8,10 @@ A unit's gradient takes one road (``Unit`` in ``zero/unit.py`` is the parameter 
                                            in place, into our own slot of the full gradient
              -> p.grad for each parameter  a 1-D view of our piece of the reduced shard
 
-Stages 2/3 start the reduce-scatter the moment a unit's gradient is complete (one in
-flight: ``Root.reduce``); stage 1 starts them all at the end of backward. Either way the
-end of backward (``Root._finish_backward``) hands the shards out, for every unit that
+A unit's reduce-scatter starts the moment its gradient is complete (``Root.reduce``):
+stage 1, which keeps the full gradient anyway, lets them all fly at once; stages 2/3 keep one
+in flight (stage 1 in mixed precision waits for the end of backward: ``keeps_full_gradient``).
+The end of backward (``Root._finish_backward``) hands the shards out, for every unit that
 synchronised. Under ``no_sync`` a unit keeps its full gradient instead: autograd adds the
 next micro-batch into it, or, when the compute dtype is not ``reduce_dtype`` (bf16 compute,
 fp32 reduction), we add it into an fp32 buffer ourselves, as FSDP2 does.
@@ -54,6 +55,16 @@ class GradientMixin:
     def has_unsynced_gradient(self) -> bool:
         return self.unsharded.grad is not None or self._unsynced is not None
 
+    @property
+    def keeps_full_gradient(self) -> bool:
+        """Stage 1 keeps the full gradient until the step and reduces it in place, into its
+        own slot, as soon as it is complete. Not through a cast: a bf16 gradient is reduced
+        through an fp32 copy, after which it would serve nothing; so in mixed precision stage
+        1 keeps every bf16 gradient whole until backward ends (the paper's 2Ψ), then reduces
+        them one by one."""
+        return (self.stage.keep_grads and self.reduce_dtype == self.param_dtype
+                and self.reduce_dtype == self.sharded.dtype)
+
     def _replicas(self) -> int:
         return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
 
@@ -83,7 +94,7 @@ class GradientMixin:
             grad, self._unsynced = self._unsynced, None
         if grad is None:
             return
-        kept = not self.stage.reduce_each_unit and grad.dtype == self.reduce_dtype
+        kept = self.keeps_full_gradient and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         pre, post = divide_factors(grad.dtype, self.world_size * self._replicas())
         if pre is not None:
@@ -96,7 +107,7 @@ class GradientMixin:
         # Stage 1 keeps every full gradient until the step anyway (gradients: Ψ, as in DDP);
         # stages 2/3 copy the slot out when it arrives and free the rest (not an upcast copy:
         # keeping it for one slot would cost the whole copy).
-        self._reduction = (work, grad, post, kept and grad.dtype == self.sharded.dtype)
+        self._reduction = (work, grad, post, kept)
 
     def wait_reduce(self) -> None:
         if self._reduction is None:

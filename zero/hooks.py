@@ -4,8 +4,8 @@
     post_forward   give the sharded parameters back; stage 3 frees the full ones; hook the
                    output tensors, so that backward calls pre_backward when it reaches them
     pre_backward   gather the parameters again (stage 3), for the unit's backward
-    post_backward  the unit's flat gradient is complete: reduce-scatter it (stages 2/3),
-                   free the parameters
+    post_backward  the unit's flat gradient is complete: reduce-scatter it, free the
+                   parameters (stage 3)
 
 FSDP2 has the same four, with the same names. The root's end-of-backward callback
 (``Root._finish_backward``) then hands out the gradients and returns every unit to IDLE.
@@ -112,8 +112,8 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
     unit.state = State.POST_BACKWARD
     if not unit.requires_grad_sync:
         unit.keep_unsynced_gradient()
-    elif unit.stage.reduce_each_unit:
-        unit.root.reduce(unit)
+    elif unit.keeps_full_gradient or not unit.stage.keep_grads:
+        unit.root.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
     # Frozen parameters may still be read for an input gradient: see the module note.
     if all(p.requires_grad for p in unit.params) or unit.inputs_done:
         _reshard_after_backward(unit)

@@ -11,11 +11,10 @@ FSDP2 has the same idea (its root state). Only the root can
   parameters (the root, by default);
 - bound the reduce-scatters in flight during backward to one, ended before the next unit's
   gradient begins, so that one unit's full gradient is alive at a time besides the shards
-  (stage 1, which keeps every full gradient until the end anyway, lets them all go at once
-  there);
-- queue one callback for the end of backward that finishes every unit: stage 1's
-  reduce-scatters, agreeing on which parameters got a gradient, handing the gradient
-  shards to the parameters, and freeing stage 3's parameters.
+  (stage 1, which keeps every full gradient until the step anyway, lets them all fly);
+- queue one callback for the end of backward that finishes every unit: the last
+  reduce-scatters (and stage 1's in mixed precision), agreeing on which parameters got a
+  gradient, handing the gradient shards to the parameters, and freeing stage 3's parameters.
 """
 
 from __future__ import annotations
@@ -137,7 +136,7 @@ class Root:
     def backward_started(self, unit: "Unit") -> None:
         """``unit`` starts its backward: start gathering the unit that ran before it."""
         self.queue_final_callback()
-        if self._reducing is not None and unit.stage.reduce_each_unit:
+        if self._reducing is not None and not unit.stage.keep_grads:
             # The previous unit's reduce-scatter ends before this unit's gradient begins:
             # then at most one full gradient is alive, besides the one being formed.
             self._reducing.wait_reduce()
@@ -152,7 +151,12 @@ class Root:
                 prev.unshard(phase="backward", async_op=True)
 
     def reduce(self, unit: "Unit") -> None:
-        """Start ``unit``'s reduce-scatter, after the one in flight (at most one at a time)."""
+        """Start ``unit``'s reduce-scatter. Stage 1 reduces in place into a gradient it keeps
+        anyway: all of them may fly at once. Otherwise (a full gradient to free, or an upcast
+        copy) after the one in flight: at most one at a time."""
+        if unit.keeps_full_gradient:
+            unit.reduce_grad()
+            return
         if self._reducing is not None:
             self._reducing.wait_reduce()
         unit.reduce_grad()
@@ -166,26 +170,26 @@ class Root:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
-        """Runs once when the whole backward is done: reduce (stage 1), hand out grads, free."""
+        """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
         self.last_order, self.order = self.order, []
         synced = [u for u in self.units if u.requires_grad_sync]  # the rest keep accumulating
-        for u in synced:  # stage 1 reduces every unit now
-            if u.stage.reduce_each_unit:
-                continue
-            if u.reduce_dtype == u.param_dtype:
-                u.reduce_grad()  # reads the gradient in place: all in flight at once
-            else:
-                self.reduce(u)  # each needs a full upcast copy: one at a time
+        # A parameter unused on this rank may be used on another: agree on "used" (max),
+        # like DDP's find_unused_parameters, with one small all-reduce per backward, in flight
+        # while the last reduce-scatters end.
+        used = [f for u in synced for f in u._used]
+        flags = work = None
+        if used and not comm.simulated(self.unit.group):
+            flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
+            work = comm.all_reduce(flags, op="max", group=self.unit.all_group, unit="root",
+                                   phase="backward", async_op=True)
+        for u in synced:
+            if u.stage.keep_grads and not u.keeps_full_gradient and u.unsharded.grad is not None:
+                self.reduce(u)  # stage 1 in bf16: every gradient lived until now, whole
         for u in synced:
             u.wait_reduce()
         self._reducing = None
-        # A parameter unused on this rank may be used on another: agree on "used" (max),
-        # like DDP's find_unused_parameters, with one small all-reduce per backward.
-        used = [f for u in synced for f in u._used]
-        if used and not comm.simulated(self.unit.group):
-            flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
-            comm.all_reduce(flags, op="max", group=self.unit.all_group, unit="root",
-                            phase="backward")
+        if work is not None:
+            work.wait()
             used = [bool(f) for f in flags.tolist()]
         offset = 0
         for u in synced:

@@ -169,7 +169,7 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
 
     def _tag_grad(self, unit, grad: torch.Tensor) -> None:
         # Stages 2/3 reduce a unit's full gradient and free it during backward: transient.
-        self._tag(grad, _MemRefType.GRAD, transient=unit.stage.reduce_each_unit)
+        self._tag(grad, _MemRefType.GRAD, transient=not unit.stage.keep_grads)
 
     def _tag(self, t: torch.Tensor, reftype, transient: bool) -> None:
         self._quiet = True  # no split in between: it would count a transient as a state
