@@ -73,6 +73,11 @@ def shard(
             secondary shard, P / ranks-per-node), and backward gathers them within the node
             only; the gradient is still reduced over ``group``.
 
+    Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
+    trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
+    are gathered together, and at stage 3 the frozen one is freed once the gradient of the
+    module's input no longer needs it (``units_on``; notes/04-stage2.md).
+
     Returns:
         ``module``, whose parameters are now this rank's pieces (same names). Build the
         optimizer after this call.
