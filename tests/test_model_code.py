@@ -10,6 +10,7 @@ computes) where it does not, and FSDP2 where only FSDP2 has the same feature.
 """
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -20,10 +21,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import zero
-from compare import DIM, ZERO, Net, System, Tanh, batch_of, compare, inner
+from zero.comm import Disagreement
+from compare import (DIM, ZERO, Net, System, Tanh, batch_of, compare, inner,
+                     max_relative_difference)
 from harness import run_ranks
 from zerolab.measure import CommBytes
 from zerolab.models import GPT, LoRAStack
+from zerolab.systems import average_gradients
 
 
 # ---- 1. activation checkpointing called inside a unit's forward (transformers 5) ------------
@@ -366,3 +370,109 @@ def test_lora_style_fine_tuning_matches_ddp_and_fsdp2():
     # extra autograd node must not change a single bit.
     make = lambda: LoRAStack(dim=32, blocks=3, rank=4)  # noqa: E731
     assert run_ranks(compare, 2, make, "ddp", ZERO + ["fsdp2"]) == [[], []]
+
+
+# ---- found in review: a unit's gradient in two parts, or in another order on each rank ------
+
+def _in_mode(rank, n, check, fn, *args):
+    """Run ``fn`` with check mode (ZERO_CHECK) on or off: the tests run with it on, and it
+    raises at the first collective that differs, so a default-mode bug would hide behind it."""
+    os.environ["ZERO_CHECK"] = check
+    return fn(rank, n, *args)
+
+
+class SharedTwice(Net):
+    """A weight-shared block applied twice, each call checkpointed (reentrant): each
+    recompute runs a backward of its own, so the unit's gradient arrives in two parts."""
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in (self.blocks[0], self.blocks[1], self.blocks[1]):
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.out(x)
+
+
+def _two_parts(rank, n):
+    torch.manual_seed(0)
+    base = SharedTwice([Tanh(), Tanh()])
+    systems = [System(k, base, "adamw") for k in ["replicated", *ZERO]]
+    worst = []
+    for s in range(3):
+        for sys_ in systems:
+            sys_.step(rank, s)
+        ref = systems[0].full_params()
+        worst.append([max_relative_difference(sys_.full_params(), ref) for sys_ in systems[1:]])
+    return worst
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_unit_whose_gradient_arrives_in_two_parts_keeps_both(check):
+    # Each part is reduced as it arrives and the means are added, as FSDP2 does (FSDP2 itself
+    # fails here: its parameters stay unsharded). mean(a) + mean(b) rounds differently from
+    # DDP's mean(a + b) (notes/12-model-code.md): an ulp or two, not the lost part (1e-2).
+    for worst in run_ranks(_in_mode, 2, check, _two_parts):
+        assert max(max(step) for step in worst) < 1e-6, worst
+
+
+class Skippable(Tanh):
+    skip = False
+
+    def forward(self, x):
+        return x if self.skip else torch.tanh(self.lin(x))
+
+
+def _skip_in_the_synced_micro_batch(sys_, rank, step):
+    """Micro-batch 0 (no_sync) uses every block; micro-batch 1 (synced) skips blocks[1]."""
+    skippable = inner(sys_).blocks[1]
+    for m in range(2):
+        x, y = batch_of(sys_, rank, step, m)
+        skippable.skip = m == 1
+        with sys_.no_sync() if m == 0 else contextlib.nullcontext():
+            sys_.base.loss(sys_.model(x), y).backward()
+    if sys_.kind == "replicated":
+        average_gradients(sys_.model)
+    sys_.opt.step()
+    sys_.opt.zero_grad()
+
+
+@pytest.mark.parametrize("ref,mp,check", [("replicated", False, "0"), ("replicated", False, "1"),
+                                          ("fsdp2", False, "1"), ("fsdp2", True, "1")])
+def test_a_unit_used_only_in_no_sync_micro_batches_is_reduced_at_the_last(ref, mp, check):
+    make = lambda: Net([Tanh(), Skippable(), Tanh()])  # noqa: E731
+    opts = {"step": _skip_in_the_synced_micro_batch, "mp": mp}
+    assert run_ranks(_in_mode, 2, check, compare, make, ref, ZERO, opts) == [[], []]
+
+
+class RankOrder(Net):
+    """Two blocks of the same size, run in an order that depends on the rank (routing)."""
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks if dist.get_rank() == 0 else reversed(self.blocks):
+            x = block(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_units_in_another_order_on_each_rank_train_like_ddp_at_stages_1_and_2(check):
+    make = lambda: RankOrder([Tanh(), Tanh()])  # noqa: E731
+    assert run_ranks(_in_mode, 2, check, compare, make, "ddp", ["zero1", "zero2"]) == [[], []]
+
+
+def _rank_order_at_stage_3(rank, n):
+    torch.manual_seed(0)
+    sys_ = System("zero3", RankOrder([Tanh(), Tanh()]), "adamw")
+    try:
+        for s in range(2):
+            sys_.step(rank, s)
+    except Disagreement as e:
+        return s, "order" in str(e)
+    return None
+
+
+@pytest.mark.parametrize("check,step", [("0", 1), ("1", 0)])
+def test_units_in_another_order_on_each_rank_raise_at_stage_3(check, step):
+    # Stage 3 gathers each unit as it runs: in another order on each rank the all-gathers pair
+    # up wrongly, and the first step is wrong (as with FSDP2). Check mode raises at the first
+    # all-gather; without it, the next forward's agreement raises, on every rank.
+    assert run_ranks(_in_mode, 2, check, _rank_order_at_stage_3) == [(step, True)] * 2

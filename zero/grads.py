@@ -87,6 +87,11 @@ class GradientMixin:
 
         Asynchronous: backward goes on while it runs; ``wait_reduce`` ends it.
         """
+        if self._reduction is not None:
+            # A second part of this backward's gradient (the unit ran twice, each call under
+            # reentrant checkpointing: each recompute runs a backward of its own). Its mean is
+            # added to the first part's, as FSDP2 adds each reduction into the sharded .grad.
+            self.wait_reduce()
         grad, self.unsharded.grad = self.unsharded.grad, None  # the unit lets go of it
         if self._unsynced is not None:  # earlier micro-batches, in reduce_dtype
             if grad is not None:
@@ -122,7 +127,10 @@ class GradientMixin:
                             group=self.replicate_group, unit=self.name, phase="backward")
         if post is not None and post != 1:
             shard.div_(post)
-        self._grad_shard = shard  # one reduction per backward; assign_grads hands it out
+        if self._grad_shard is None:
+            self._grad_shard = shard  # assign_grads hands it out at the end of backward
+        else:
+            self._grad_shard += shard  # the part before it (see reduce_grad)
 
     def assign_grads(self, used: list[bool]) -> None:
         """Give each used parameter its piece of the reduced gradient (accumulating)."""

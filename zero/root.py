@@ -41,6 +41,8 @@ class Root:
         self.last_order: list[Unit] = []  # the same for the previous iteration
         self._callback_queued = False
         self._reducing: Unit | None = None  # whose reduce-scatter is in flight
+        self._queue: list[Unit] | None = None  # stages 1/2: the order reductions start in
+        self._ready: set = set()  # units whose gradient is complete, waiting for their turn
         self.backwards = 0  # backward passes since the root's last forward began
 
     @property
@@ -92,10 +94,14 @@ class Root:
 
     def _since_last_forward(self, written: list["Unit"]) -> str:
         names = lambda units: ", ".join(u.name for u in units) or "none"  # noqa: E731
+        # Stage 3 gathers each unit as it runs: in another order on another rank, the
+        # all-gathers paired up wrongly (a collective per unit would tell at once: ZERO_CHECK)
+        ran = self.order or self.last_order
+        order = "" if self.unit.stage.keep_params else f", in the order {names(ran)}"
         return (f"start a forward after {self.backwards} backward(s) since the last one; shards "
                 f"written (opt.step) in units: {names(written)}; units in no_sync: "
                 f"{names([u for u in self.units if not u.requires_grad_sync])}; the last "
-                f"forward ran {len(self.order or self.last_order)} unit(s)")
+                f"forward ran {len(self.order or self.last_order)} unit(s){order}")
 
     def _broadcast_buffers(self) -> None:
         """DDP's ``broadcast_buffers``: rank 0's buffers everywhere, one collective per dtype."""
@@ -115,6 +121,7 @@ class Root:
                 u.discard_gradients()
             u.end_iteration()
         self._callback_queued, self._reducing, self.order = False, None, []
+        self._queue, self._ready = None, set()
 
     # ---- prefetching ------------------------------------------------------------------
 
@@ -151,9 +158,31 @@ class Root:
                 prev.unshard(phase="backward", async_op=True)
 
     def reduce(self, unit: "Unit") -> None:
-        """Start ``unit``'s reduce-scatter. Stage 1 reduces in place into a gradient it keeps
-        anyway: all of them may fly at once. Otherwise (a full gradient to free, or an upcast
-        copy) after the one in flight: at most one at a time."""
+        """``unit``'s gradient is complete: start its reduce-scatter, or queue it.
+
+        Collectives pair up by the order they are issued in, so every rank must issue the
+        reductions in the same order. At stage 3 that holds whenever the forward's
+        all-gathers paired up (the agreement at the next forward checks it). Stages 1/2 keep
+        their parameters and run units in any order, as DDP does, so they start reductions
+        in one fixed order, the units' own in reverse (backward's usual order), each once the
+        units before it have started, as DDP starts its buckets (``Reducer``)."""
+        if not unit.stage.keep_params:
+            self._issue(unit)
+            return
+        if self._queue is None:  # the first gradient of this backward
+            self._queue = [u for u in reversed(self.units) if u.forward_calls
+                           and u.requires_grad_sync and u.unsharded.requires_grad]
+        if unit not in self._queue:
+            self._issue(unit)  # already started: the second part of its gradient (grads.py)
+            return
+        self._ready.add(unit)
+        while self._queue and self._queue[0] in self._ready:
+            self._issue(self._queue.pop(0))
+
+    def _issue(self, unit: "Unit") -> None:
+        """Stage 1 reduces in place into a gradient it keeps anyway: all of them may fly at
+        once. Otherwise (a full gradient to free, or an upcast copy) after the one in flight:
+        at most one at a time."""
         if unit.keeps_full_gradient:
             unit.reduce_grad()
             return
@@ -173,6 +202,16 @@ class Root:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
         self.last_order, self.order = self.order, []
         synced = [u for u in self.units if u.requires_grad_sync]  # the rest keep accumulating
+        # Every gradient not yet reduced, in an order every rank shares: the queue's (stages
+        # 1/2), then any unit whose hook never fired this backward but that holds no_sync
+        # micro-batches, and stage 1's in mixed precision, which lived until now whole.
+        for u in self._queue or []:
+            if u.has_unsynced_gradient():
+                self._issue(u)
+        for u in synced:
+            if u.has_unsynced_gradient():
+                self._issue(u)
+        self._queue, self._ready = None, set()
         # A parameter unused on this rank may be used on another: agree on "used" (max),
         # like DDP's find_unused_parameters, with one small all-reduce per backward, in flight
         # while the last reduce-scatters end.
@@ -182,9 +221,6 @@ class Root:
             flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
             work = comm.all_reduce(flags, op="max", group=self.unit.all_group, unit="root",
                                    phase="backward", async_op=True)
-        for u in synced:
-            if u.stage.keep_grads and not u.keeps_full_gradient and u.unsharded.grad is not None:
-                self.reduce(u)  # stage 1 in bf16: every gradient lived until now, whole
         for u in synced:
             u.wait_reduce()
         self._reducing = None
