@@ -9,11 +9,18 @@ import os
 import sys
 import warnings
 
+import torch
 import torch._dynamo  # noqa: F401  (DDP's lazy import, paid once here)
 import torch.distributed.fsdp  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Some tests run torch in this process (the notes' figure scripts) before others fork ranks
+# from it. A forked child whose parent has started OpenMP worker threads hangs at its first
+# parallel region (libgomp is not fork-safe), so this process computes on one thread; the
+# ranks choose their own (zerolab/launch.py).
+torch.set_num_threads(1)
 
 # Check mode (zero/comm.py): every collective is preceded by an agreement, so ranks that take
 # different paths raise at once, naming what each was doing, instead of hanging the test.
