@@ -43,6 +43,7 @@ class Root:
         self._reducing: Unit | None = None  # whose reduce-scatter is in flight
         self._queue: list[Unit] | None = None  # stages 1/2: the order reductions start in
         self._ready: set = set()  # units whose gradient is complete, waiting for their turn
+        self.reduced: list[Unit] = []  # reductions started since the root's last forward
         self.backwards = 0  # backward passes since the root's last forward began
 
     @property
@@ -86,7 +87,7 @@ class Root:
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
                        "value every rank shares (a norm from zero.clip_grad_norm_)")
-        self.backwards = 0
+        self.backwards, self.reduced = 0, []
         for u in written:
             u.shard_changed()  # stages 1/2 gather the new parameters (async); stage 3 frees
         if self.unit.broadcast_buffers:
@@ -94,10 +95,15 @@ class Root:
 
     def _since_last_forward(self, written: list["Unit"]) -> str:
         names = lambda units: ", ".join(u.name for u in units) or "none"  # noqa: E731
-        # Stage 3 gathers each unit as it runs: in another order on another rank, the
-        # all-gathers paired up wrongly (a collective per unit would tell at once: ZERO_CHECK)
-        ran = self.order or self.last_order
-        order = "" if self.unit.stage.keep_params else f", in the order {names(ran)}"
+        # Units run in another order on another rank pair their collectives wrongly: stage 3's
+        # all-gathers, stage 2/3's reduce-scatters (a check before each collective would tell
+        # at once: ZERO_CHECK). Stage 1 starts its reductions in a fixed order (reduce).
+        order = ""
+        if not self.unit.stage.keep_grads:
+            ran = self.order or self.last_order
+            order = f", reduced {names(self.reduced)}"
+            if not self.unit.stage.keep_params:
+                order = f", in the order {names(ran)}{order}"
         return (f"start a forward after {self.backwards} backward(s) since the last one; shards "
                 f"written (opt.step) in units: {names(written)}; units in no_sync: "
                 f"{names([u for u in self.units if not u.requires_grad_sync])}; the last "
@@ -161,28 +167,30 @@ class Root:
         """``unit``'s gradient is complete: start its reduce-scatter, or queue it.
 
         Collectives pair up by the order they are issued in, so every rank must issue the
-        reductions in the same order. At stage 3 that holds whenever the forward's
-        all-gathers paired up (the agreement at the next forward checks it). Stages 1/2 keep
-        their parameters and run units in any order, as DDP does, so they start reductions
-        in one fixed order, the units' own in reverse (backward's usual order), each once the
-        units before it have started, as DDP starts its buckets (``Reducer``)."""
-        if not unit.stage.keep_params:
-            self._issue(unit)
+        reductions in the same order. Stages 2/3 start each as its gradient completes, as
+        FSDP2 does: the same order on every rank as long as the ranks run their units in the
+        same order (the next forward's agreement checks it). Stage 1 can do better at no cost,
+        since it keeps every full gradient anyway: it starts them in one fixed order, the
+        units' own in reverse (backward's usual one), each once those before it have started,
+        as DDP starts its buckets, so units may run in another order on each rank."""
+        if not unit.keeps_full_gradient:
+            self._issue(unit)  # (stage 1 through a cast: at the end of backward, not here)
             return
         if self._queue is None:  # the first gradient of this backward
-            self._queue = [u for u in reversed(self.units) if u.forward_calls
-                           and u.requires_grad_sync and u.unsharded.requires_grad]
-        if unit not in self._queue:
-            self._issue(unit)  # already started: the second part of its gradient (grads.py)
-            return
-        self._ready.add(unit)
-        while self._queue and self._queue[0] in self._ready:
-            self._issue(self._queue.pop(0))
+            self._queue = [u for u in reversed(self.units) if u.forward_calls and
+                           u.requires_grad_sync and u.keeps_full_gradient and u.unsharded.requires_grad]
+        if unit in self._queue:
+            self._ready.add(unit)
+            while self._queue and self._queue[0] in self._ready:
+                self._issue(self._queue.pop(0))
+        # Otherwise it started already, and this is the second part of its gradient (a unit
+        # run twice under reentrant checkpointing): the end of backward reduces it.
 
     def _issue(self, unit: "Unit") -> None:
         """Stage 1 reduces in place into a gradient it keeps anyway: all of them may fly at
         once. Otherwise (a full gradient to free, or an upcast copy) after the one in flight:
         at most one at a time."""
+        self.reduced.append(unit)
         if unit.keeps_full_gradient:
             unit.reduce_grad()
             return
@@ -202,9 +210,10 @@ class Root:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
         self.last_order, self.order = self.order, []
         synced = [u for u in self.units if u.requires_grad_sync]  # the rest keep accumulating
-        # Every gradient not yet reduced, in an order every rank shares: the queue's (stages
-        # 1/2), then any unit whose hook never fired this backward but that holds no_sync
-        # micro-batches, and stage 1's in mixed precision, which lived until now whole.
+        # Every gradient not yet reduced, in an order every rank shares: the queue's (stage 1),
+        # then any unit whose hook never fired this backward but that holds no_sync
+        # micro-batches, stage 1's in mixed precision, which lived until now whole, and the
+        # second parts of stage 1's gradients (reduce).
         for u in self._queue or []:
             if u.has_unsynced_gradient():
                 self._issue(u)
