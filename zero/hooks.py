@@ -18,11 +18,13 @@ forward resets them all (``Root.begin_forward``).
 
 [Note: frozen parameters] The post-accumulate-grad hook says when the unit's *gradient* is
 complete, not when backward is done with its *parameters*: a frozen weight gives no gradient
-but is still read to compute the gradient of the unit's input. So at stage 3 a unit with
-frozen parameters also wraps its inputs in ``_InputGradients``, an identity whose backward
-runs once the inputs' gradients exist, which is when its backward is over (FSDP2 does this
-for every unit); then it frees its parameters. A LoRA-style model, frozen base weights and
-trainable adapters in every block, holds two blocks at a time this way, not all of them.
+but is still read to compute the gradient of the unit's input, and a second piece of a
+forward checkpointed in two (reentrant) recomputes after the first piece's backward has
+completed the gradient. So at stage 3 every unit also wraps its inputs in ``_InputGradients``,
+an identity whose backward runs once the inputs' gradients exist, which is when its backward
+is over (FSDP2 does the same); it frees its parameters then, or at post_backward if that comes
+later. A LoRA-style model, frozen base weights and trainable adapters in every block, holds
+two blocks at a time this way, not all of them.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
         if torch.is_grad_enabled():
             if unit.reshard_after_forward:
                 unit.root.guard.enter()
-            if not unit.stage.keep_params and not all(p.requires_grad for p in unit.params):
+            if not unit.stage.keep_params:
                 args, kwargs = _hook_input_gradients(unit, args, kwargs)
     unit.use_unsharded_views()
     return args, kwargs
@@ -114,8 +116,13 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
         unit.keep_unsynced_gradient()
     elif unit.keeps_full_gradient or not unit.stage.keep_grads:
         unit.root.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
-    # Frozen parameters may still be read for an input gradient: see the module note.
-    if all(p.requires_grad for p in unit.params) or unit.inputs_done:
+    if unit.stage.keep_params:
+        # Stages 1/2 give the module its sharded parameters back at the end of backward
+        # (end_iteration): a second checkpointed piece of the unit's forward may still
+        # recompute with the full ones (its gradient then arrives in two parts, grads.py).
+        return
+    # Its parameters may still be read for an input gradient: see the module note.
+    if not unit.inputs_pending:
         _reshard_after_backward(unit)
 
 
@@ -130,10 +137,10 @@ class _InputGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
-        if unit.forward_calls == 1:  # called twice, the other call's backward may be to come
-            unit.inputs_done = True
-            if unit.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
-                _reshard_after_backward(unit)
+        unit.inputs_pending -= 1
+        if not unit.inputs_pending and (unit.state is State.POST_BACKWARD
+                                        or not unit.unsharded.requires_grad):
+            _reshard_after_backward(unit)
         return (None, *grads)
 
 
@@ -141,6 +148,7 @@ def _hook_input_gradients(unit, args, kwargs):
     inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not inputs:
         return args, kwargs  # (data, say): the end of backward frees the unit instead
+    unit.inputs_pending += 1  # one more forward call whose backward is to come
     hooked = dict(zip(map(id, inputs), _InputGradients.apply(unit, *inputs)))
     return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
