@@ -420,8 +420,8 @@ def _two_parts(rank, n, make):
 def test_a_unit_whose_gradient_arrives_in_two_parts_keeps_both(check, model):
     # Each part is reduced as it arrives and the means are added, as FSDP2 adds reductions
     # into .grad. mean(a) + mean(b) rounds differently from DDP's mean(a + b)
-    # (notes/12-model-code.md): an ulp or two, not a lost part (1e-2). Stage 3 keeps the unit
-    # gathered until its inputs' gradients exist, for the second piece's recompute.
+    # (notes/12-model-code.md): an ulp or two, not a lost part (1e-2). "inside": the second
+    # piece recomputes after the first piece's backward completed the unit's gradient.
     make = {"shared": lambda: SharedTwice([Tanh(), Tanh()]),
             "inside": lambda: Net([Tanh(), TwoPiecesInside(), Tanh()])}[model]
     for worst in run_ranks(_in_mode, 2, check, _two_parts, make):

@@ -18,13 +18,20 @@ forward resets them all (``Root.begin_forward``).
 
 [Note: frozen parameters] The post-accumulate-grad hook says when the unit's *gradient* is
 complete, not when backward is done with its *parameters*: a frozen weight gives no gradient
-but is still read to compute the gradient of the unit's input, and a second piece of a
-forward checkpointed in two (reentrant) recomputes after the first piece's backward has
-completed the gradient. So at stage 3 every unit also wraps its inputs in ``_InputGradients``,
-an identity whose backward runs once the inputs' gradients exist, which is when its backward
-is over (FSDP2 does the same); it frees its parameters then, or at post_backward if that comes
-later. A LoRA-style model, frozen base weights and trainable adapters in every block, holds
-two blocks at a time this way, not all of them.
+but is still read to compute the gradient of the unit's input. So at stage 3 a unit with
+frozen parameters also wraps its inputs in ``_InputGradients``, an identity whose backward
+runs once the inputs' gradients exist, which is when its backward is over (FSDP2 does this
+for every unit); then it frees its parameters. A LoRA-style model, frozen base weights and
+trainable adapters in every block, holds two blocks at a time this way, not all of them.
+
+[Note: a gradient completed inside a recompute] With reentrant checkpointing, a recompute
+runs a backward of its own, and the unit's gradient may complete in it while the outer
+backward still needs the parameters: a forward checkpointed in two pieces recomputes its
+second piece after the first piece's backward. So a stage-3 unit whose gradient completes in
+another backward than the one that reached its outputs (``in_recompute``) is freed a little
+later: when the next unit's backward or recompute starts, or at the end of backward
+(``Root.free_deferred``); by then its own backward is over, and no more is held than the
+prefetched unit would hold anyway.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     if unit.cast_inputs:
         args, kwargs = map_tensors(unit.cast, (args, kwargs))
     if in_backward():  # activation-checkpoint recompute: gathered for backward
+        unit.root.free_deferred(but=unit)
         unit.unshard(phase="backward")
         unit.state = State.PRE_BACKWARD
     else:
@@ -72,7 +80,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
         if torch.is_grad_enabled():
             if unit.reshard_after_forward:
                 unit.root.guard.enter()
-            if not unit.stage.keep_params:
+            if not unit.stage.keep_params and not all(p.requires_grad for p in unit.params):
                 args, kwargs = _hook_input_gradients(unit, args, kwargs)
     unit.use_unsharded_views()
     return args, kwargs
@@ -101,6 +109,8 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
 
 def pre_backward(unit, grad: torch.Tensor) -> None:
     if unit.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
+        unit.root.free_deferred(but=unit)
+        unit.backward_task = torch._C._current_graph_task_id()
         unit.state = State.PRE_BACKWARD
         unit.unshard(phase="backward", async_op=True)
         unit.root.backward_started(unit)  # prefetches the unit before this one
@@ -121,9 +131,12 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
         # (end_iteration): a second checkpointed piece of the unit's forward may still
         # recompute with the full ones (its gradient then arrives in two parts, grads.py).
         return
-    # Its parameters may still be read for an input gradient: see the module note.
-    if not unit.inputs_pending:
-        _reshard_after_backward(unit)
+    # Frozen parameters may still be read for an input gradient: see the module note.
+    if all(p.requires_grad for p in unit.params) or unit.inputs_done:
+        if torch._C._current_graph_task_id() != unit.backward_task:
+            unit.root.defer_reshard(unit)  # completed in a recompute's backward: module note
+        else:
+            reshard_after_backward(unit)
 
 
 class _InputGradients(torch.autograd.Function):
@@ -137,10 +150,10 @@ class _InputGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
-        unit.inputs_pending -= 1
-        if not unit.inputs_pending and (unit.state is State.POST_BACKWARD
-                                        or not unit.unsharded.requires_grad):
-            _reshard_after_backward(unit)
+        if unit.forward_calls == 1:  # called twice, the other call's backward may be to come
+            unit.inputs_done = True
+            if unit.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
+                reshard_after_backward(unit)
         return (None, *grads)
 
 
@@ -148,12 +161,11 @@ def _hook_input_gradients(unit, args, kwargs):
     inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     if not inputs:
         return args, kwargs  # (data, say): the end of backward frees the unit instead
-    unit.inputs_pending += 1  # one more forward call whose backward is to come
     hooked = dict(zip(map(id, inputs), _InputGradients.apply(unit, *inputs)))
     return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
 
 
-def _reshard_after_backward(unit) -> None:
+def reshard_after_backward(unit) -> None:
     unit.use_sharded_params()
     if unit.reshard_after_backward:
         unit.reshard()

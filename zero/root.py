@@ -26,6 +26,7 @@ import torch
 
 from zero import comm
 from zero.guard import Guard
+from zero import hooks
 from zero.hooks import State
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Root:
         self._queue: list[Unit] | None = None  # stages 1/2: the order reductions start in
         self._ready: set = set()  # units whose gradient is complete, waiting for their turn
         self.reduced: list[Unit] = []  # reductions started since the root's last forward
+        self._deferred: list[Unit] = []  # stage 3: to free once their backward is surely over
         self.backwards = 0  # backward passes since the root's last forward began
 
     @property
@@ -127,7 +129,7 @@ class Root:
                 u.discard_gradients()
             u.end_iteration()
         self._callback_queued, self._reducing, self.order = False, None, []
-        self._queue, self._ready = None, set()
+        self._queue, self._ready, self._deferred = None, set(), []
 
     # ---- prefetching ------------------------------------------------------------------
 
@@ -145,6 +147,18 @@ class Root:
         for nxt in nexts:
             if not nxt.stage.keep_params:
                 nxt.unshard(phase="forward", async_op=True)
+
+    def defer_reshard(self, unit: "Unit") -> None:
+        """``unit``'s gradient completed inside a recompute's backward (hooks.py's note)."""
+        if unit not in self._deferred:
+            self._deferred.append(unit)
+
+    def free_deferred(self, but: "Unit") -> None:
+        """Another unit's backward (or recompute) starts: free the units deferred till then."""
+        for u in self._deferred:
+            if u is not but:
+                hooks.reshard_after_backward(u)
+        self._deferred = [u for u in self._deferred if u is but]
 
     def backward_started(self, unit: "Unit") -> None:
         """``unit`` starts its backward: start gathering the unit that ran before it."""
@@ -220,7 +234,7 @@ class Root:
         for u in synced:
             if u.has_unsynced_gradient():
                 self._issue(u)
-        self._queue, self._ready = None, set()
+        self._queue, self._ready, self._deferred = None, set(), []
         # A parameter unused on this rank may be used on another: agree on "used" (max),
         # like DDP's find_unused_parameters, with one small all-reduce per backward, in flight
         # while the last reduce-scatters end.

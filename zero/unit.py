@@ -103,7 +103,8 @@ class Unit(GradientMixin):
         self._views_for: tuple[bool, ...] = ()  # which params required grad when they were made
         self._post_backward_hook = None
         self.forward_calls = 0  # forwards this iteration
-        self.inputs_pending = 0  # forward calls whose inputs' gradients backward has yet to compute
+        self.inputs_done = False  # backward has computed the gradients of the unit's inputs
+        self.backward_task = -1  # the autograd graph task that reached the unit's outputs
         self.reshard_after_backward = True  # False: keep gathered for the next micro-batch
         self.pinned = False  # zero.unshard(module): gathered until zero.reshard(module)
         self.forward_prefetch: list[Unit] | None = None  # explicit lists (zero/controls.py);
@@ -261,7 +262,7 @@ class Unit(GradientMixin):
             self.reshard()
         self._secondary = None  # (hpZ: a forward whose backward never came)
         self._views = None  # the next iteration makes new ones
-        self.forward_calls, self.inputs_pending = 0, 0
+        self.forward_calls, self.inputs_done, self.backward_task = 0, False, -1
 
     @property
     def reshard_after_forward(self) -> bool:
