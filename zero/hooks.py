@@ -28,7 +28,7 @@ trainable adapters in every block, holds two blocks at a time this way, not all 
 runs a backward of its own, and the unit's gradient may complete in it while the outer
 backward still needs the parameters: a forward checkpointed in two pieces recomputes its
 second piece after the first piece's backward. So a stage-3 unit whose gradient completes in
-another backward than the one that reached its outputs (``in_recompute``) is freed a little
+another backward than the one that reached its outputs (``backward_task``) is freed a little
 later: when the next unit's backward or recompute starts, or at the end of backward
 (``Root.free_deferred``); by then its own backward is over, and no more is held than the
 prefetched unit would hold anyway.

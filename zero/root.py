@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zero import comm
+from zero import comm, hooks
 from zero.guard import Guard
-from zero import hooks
 from zero.hooks import State
 
 if TYPE_CHECKING:
@@ -42,7 +41,7 @@ class Root:
         self.last_order: list[Unit] = []  # the same for the previous iteration
         self._callback_queued = False
         self._reducing: Unit | None = None  # whose reduce-scatter is in flight
-        self._queue: list[Unit] | None = None  # stages 1/2: the order reductions start in
+        self._queue: list[Unit] | None = None  # stage 1: the order reductions start in
         self._ready: set = set()  # units whose gradient is complete, waiting for their turn
         self.reduced: list[Unit] = []  # reductions started since the root's last forward
         self._deferred: list[Unit] = []  # stage 3: to free once their backward is surely over
@@ -101,11 +100,10 @@ class Root:
         # all-gathers, stage 2/3's reduce-scatters (a check before each collective would tell
         # at once: ZERO_CHECK). Stage 1 starts its reductions in a fixed order (reduce).
         order = ""
+        if not self.unit.stage.keep_params:
+            order += f", in the order {names(self.order or self.last_order)}"
         if not self.unit.stage.keep_grads:
-            ran = self.order or self.last_order
-            order = f", reduced {names(self.reduced)}"
-            if not self.unit.stage.keep_params:
-                order = f", in the order {names(ran)}{order}"
+            order += f", reduced {names(self.reduced)}"
         return (f"start a forward after {self.backwards} backward(s) since the last one; shards "
                 f"written (opt.step) in units: {names(written)}; units in no_sync: "
                 f"{names([u for u in self.units if not u.requires_grad_sync])}; the last "
@@ -191,8 +189,8 @@ class Root:
             self._issue(unit)  # (stage 1 through a cast: at the end of backward, not here)
             return
         if self._queue is None:  # the first gradient of this backward
-            self._queue = [u for u in reversed(self.units) if u.forward_calls and
-                           u.requires_grad_sync and u.keeps_full_gradient and u.unsharded.requires_grad]
+            self._queue = [u for u in reversed(self.units) if u.keeps_full_gradient and
+                           u.forward_calls and u.requires_grad_sync and u.unsharded.requires_grad]
         if unit in self._queue:
             self._ready.add(unit)
             while self._queue and self._queue[0] in self._ready:
@@ -224,13 +222,10 @@ class Root:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
         self.last_order, self.order = self.order, []
         synced = [u for u in self.units if u.requires_grad_sync]  # the rest keep accumulating
-        # Every gradient not yet reduced, in an order every rank shares: the queue's (stage 1),
-        # then any unit whose hook never fired this backward but that holds no_sync
-        # micro-batches, stage 1's in mixed precision, which lived until now whole, and the
-        # second parts of stage 1's gradients (reduce).
-        for u in self._queue or []:
-            if u.has_unsynced_gradient():
-                self._issue(u)
+        # Every gradient not yet reduced, in the units' order, which every rank shares: stage
+        # 1's still queued and its second parts (reduce), stage 1's in mixed precision, which
+        # lived until now whole, and any unit whose hook never fired this backward but that
+        # holds no_sync micro-batches.
         for u in synced:
             if u.has_unsynced_gradient():
                 self._issue(u)
