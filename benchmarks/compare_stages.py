@@ -29,7 +29,7 @@ import report  # noqa: E402  (benchmarks/report.py: tables, results file, plots)
 from argtypes import comma_list, int_in, output_file, positive_int  # noqa: E402
 
 import zero  # noqa: E402
-from zero.memory import model_state_bytes, schedule  # noqa: E402
+from zerolab.memory import model_state_bytes, schedule  # noqa: E402
 from zerolab.measure import CommBytes  # noqa: E402
 from zerolab.trackers import (  # noqa: E402
     MODEL_STATES, MODEL_STATES_AND_COMM, PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker)
@@ -104,7 +104,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
 
 
 def _schedule(kind, system, n, args) -> dict:
-    """zero.memory.schedule for our stages: the paper's terms walked through our schedule
+    """zerolab.memory.schedule for our stages: the paper's terms walked through our schedule
     (fp32, every parameter trained: not for --mixed-precision or --frozen)."""
     if not kind.startswith("zero") or args.mixed_precision or args.frozen:
         return {}

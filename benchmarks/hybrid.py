@@ -11,7 +11,7 @@ nodes, or the whole world (which spans nodes). Beside each measurement, the form
     hpZ (stage 3, S per node)     forward gathers and the reduce-scatter over all N; the
                                   backward all-gather within the node: (S-1)/S P
 
-(P: the padded parameters in bytes, fp32 here.) Then zero/cost.py turns each step's records
+(P: the padded parameters in bytes, fp32 here.) Then zerolab/cost.py turns each step's records
 into seconds on a cluster shaped like this run (2 GPUs a node) with DGX-like links, to show the
 method; benchmarks/simulate.py --cluster does the same at 64-1024 ranks for a 7.5B model.
 
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
-from zero.cost import Cluster, step_time  # noqa: E402
+from zerolab.cost import Cluster, step_time  # noqa: E402
 from zerolab.launch import run_ranks  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
 from zerolab.systems import System  # noqa: E402
@@ -86,7 +86,7 @@ def main() -> None:
     print(f"# Hybrid sharding on {NODES} nodes x {PER_NODE} ranks (local, gloo), "
           f"GPT {CONFIG.layers} x {CONFIG.dim}\n")
     print("Bytes each rank sends per step (KiB), measured (ledger) / formula; model states "
-          "per rank (MiB); communication time predicted by zero/cost.py on "
+          "per rank (MiB); communication time predicted by zerolab/cost.py on "
           f"\"{CLUSTER.name}\" (ms):\n")
     print("| system | " + " | ".join(groups) + " | model states | predicted ms |")
     print("|---" * (len(groups) + 3) + "|")

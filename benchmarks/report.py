@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from zero.memory import model_state_bytes, traffic_in_psi
+from zerolab.memory import model_state_bytes, traffic_in_psi
 
 CATEGORIES = {  # our column: MemTracker's and FSDPMemTracker's category names
     "params": ("Parameter", "Sharded Param", "Unsharded Param"),
@@ -115,7 +115,7 @@ def targets_table(rows, n) -> list[str]:
 
 
 def formula_table(rows, n) -> list[str]:
-    """Each stage's measured peak against zero.memory.schedule, term by term."""
+    """Each stage's measured peak against zerolab.memory.schedule, term by term."""
     ours = [r for r in rows if "schedule" in r]
     if not ours:
         return []
@@ -185,7 +185,7 @@ def write(rows, args, argv, stage_of) -> None:
             body += ["", f"## Step time (median of {args.steps} steps, slowest rank)", "",
                      *time_table(rows)]
         if formula := formula_table(rows, n):
-            body += ["", "## Model states against the formula (MiB; zero/memory.py: schedule)", "",
+            body += ["", "## Model states against the formula (MiB; zerolab/memory.py: schedule)", "",
                      "The paper's formula on our padded sizes, AdamW's 4-byte step counter per "
                      "parameter piece, and the units in flight at the worst instant of our "
                      "schedule (a unit gathered while another computes, one unit's full "

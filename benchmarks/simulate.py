@@ -34,10 +34,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
 from argtypes import comma_list, float_in, int_in  # noqa: E402
-from zero.init import init_parameters  # noqa: E402
-from zero.cost import Cluster, crosses_nodes, step_time  # noqa: E402
+from zero.meta_init import init_parameters  # noqa: E402
+from zerolab.cost import Cluster, crosses_nodes, step_time  # noqa: E402
 from zero.comm import Record  # noqa: E402
-from zero.memory import model_state_bytes  # noqa: E402
+from zerolab.memory import model_state_bytes  # noqa: E402
 from zerolab.trackers import ZeroMemTracker  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
 
@@ -164,7 +164,7 @@ CLUSTERS = {  # per-GPU bandwidths: what one rank's ring can use
 
 
 def cluster_table(params: float, world_sizes, cluster: Cluster) -> list[str]:
-    """Memory per rank and predicted communication time per step (zero/cost.py), DDP and our
+    """Memory per rank and predicted communication time per step (zerolab/cost.py), DDP and our
     stages, flat and hybrid, side by side, mixed precision (the paper's K = 12)."""
     out = [f"Cluster: {cluster.name}.", "",
            "| N | system | model states GB | + transient GB | bytes sent GB (in / across "

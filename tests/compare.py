@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import zero
 from zerolab.models import GPT, EncoderStack, UnevenMLP
 from zerolab.systems import KINDS, System, make_optimizer  # noqa: F401  (re-exported for tests)
 
@@ -44,7 +45,7 @@ def optimizer_state_difference(ours: System, ref: System, keys=("exp_avg", "exp_
         if p not in ours.opt.state:
             continue
         r = ref.opt.state[ref_params[name]]
-        piece = p._zero_unit._pieces.get(p._zero_index)
+        piece = zero.piece_of(p)
         lo, n = (piece.param_offset, piece.length) if piece else (0, 0)
         for key in keys:
             if key in r and not torch.equal(ours.opt.state[p][key], r[key].reshape(-1)[lo : lo + n]):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # ranks choose their own (zerolab/launch.py).
 torch.set_num_threads(1)
 
-# Check mode (zero/comm.py): every collective is preceded by an agreement, so ranks that take
+# Check mode (zero/comm/agree.py): every collective is preceded by an agreement, so ranks that take
 # different paths raise at once, naming what each was doing, instead of hanging the test.
 os.environ.setdefault("ZERO_CHECK", "1")
 os.environ.setdefault("ZERO_TIMEOUT", "30")  # tests import harness and compare directly

@@ -158,11 +158,12 @@ def zero_full(model: nn.Module, what: str) -> dict[str, torch.Tensor | None]:
             local.zero_()
             for i, p in enumerate(unit.params):
                 if p.grad is not None:
-                    unit._piece(local, i).copy_(p.grad)
+                    unit.piece(local, i).copy_(p.grad)
         flat = local.new_empty(unit.layout.padded_numel)
         dist.all_gather_into_tensor(flat, local)
         whole[unit] = unit.layout.views(flat)
-    return {n: whole[p._zero_unit][p._zero_index].clone() if h else None
+    index = {p: (u, i) for u in whole for i, p in enumerate(u.params)}
+    return {n: whole[index[p][0]][index[p][1]].clone() if h else None
             for (n, p), h in zip(named, has.tolist())}
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints (zero/checkpoint.py): exact resume, resharding, FSDP2 both ways, atomicity, errors.
+"""Checkpoints (zero/checkpoint/dcp.py): exact resume, resharding, FSDP2 both ways, atomicity, errors.
 
 Every "bitwise" below is ``torch.equal``. A resume runs in fresh ranks, from a model built with
 another seed, so everything it gets right came from the checkpoint.
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import zero
 import zero.checkpoint
-import zero.checkpoint_dir
+import zero.checkpoint.directory
 from compare import MODELS, System, first_difference, max_relative_difference
 from harness import RankError, run_ranks
 from zerolab.models import GPT, GPTConfig
@@ -327,7 +327,7 @@ def _die_during_save(rank, n, root, where):
             os._exit(1)
         FileSystemWriter.write_data = write_data  # this forked rank only
     if where == "commit" and rank == 0:  # all data and .metadata written, not yet committed
-        zero.checkpoint_dir.commit = lambda *args: os._exit(1)
+        zero.checkpoint.directory.commit = lambda *args: os._exit(1)
     zero.save(root, s.model, s.opt)
 
 

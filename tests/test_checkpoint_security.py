@@ -1,4 +1,4 @@
-"""Loading a checkpoint never runs code (zero/safe_pickle.py), and whatever is wrong with a
+"""Loading a checkpoint never runs code (zero/checkpoint/safe_pickle.py), and whatever is wrong with a
 checkpoint, every rank raises a clear error (never a crash, a hang, or a wrong load).
 
 Every poison here would create a sentinel file if it ran; every test checks that none appears.
@@ -32,7 +32,7 @@ import zero
 import zero.checkpoint
 from compare import MODELS, System
 from harness import RankError, RankTimeout, run_ranks
-from zero.safe_pickle import ALLOWED, UntrustedCheckpointError, load_metadata
+from zero.checkpoint.safe_pickle import ALLOWED, UntrustedCheckpointError, load_metadata
 
 CLEAR = {"RuntimeError", "ValueError", "FileNotFoundError", "UntrustedCheckpointError"}
 

@@ -1,4 +1,4 @@
-"""The collective wrappers (zero/comm.py) on 2 and 3 real gloo ranks: data and ledger."""
+"""The collective wrappers (zero/comm/) on 2 and 3 real gloo ranks: data and ledger."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""What each stage sends per step and rank, read from the ledger (zero/comm.py).
+"""What each stage sends per step and rank, read from the ledger (zero/comm/collectives.py).
 
 Ψ = parameter count; each rank sends (N-1)/N of every all-gathered or reduce-scattered
 buffer (ring accounting). Stages 1 and 2: one reduce-scatter of each unit's padded flat
@@ -63,7 +63,7 @@ def test_collectives_per_step_and_total_traffic(stage, n):
         assert _by(rec, "all_gather", "backward") == [x for x in every_unit if x[0] != "root"]
         expected_psi = 3
     # The only other collectives: one all-reduce of a byte per parameter tensor ("used?"),
-    # and the agreements (zero/comm.py): one as the forward starts, and in check mode one
+    # and the agreements (zero/comm/collectives.py): one as the forward starts, and in check mode one
     # before every other collective; each all-gathers two int64 per rank.
     others = [r for r in rec if r[0] == "all_reduce"]
     assert len(others) == 1 and others[0][5] == torch.uint8 and others[0][2] == "backward"

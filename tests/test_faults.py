@@ -3,7 +3,7 @@
 Every case runs in fresh ranks with a timeout and ends one of two ways: it works as a user of
 DDP or FSDP2 expects (compared with a reference), or every rank raises, within 10 s, an
 error that names the fix. None may hang or quietly diverge. The tests run in check mode
-(tests/conftest.py): every collective is preceded by an agreement (zero/comm.py).
+(tests/conftest.py): every collective is preceded by an agreement (zero/comm/collectives.py).
 """
 
 import copy

@@ -143,8 +143,7 @@ def _pieces(rank, n, stage):
         zero.shard(unit, stage=stage)
     out = {}
     for name, p in model.named_parameters():
-        unit, i = p._zero_unit, p._zero_index
-        piece = unit._pieces.get(i)
+        unit, piece = zero.unit_of(p), zero.piece_of(p)
         lo = piece.param_offset if piece else 0
         inside = p.numel() == 0 or (
             unit.sharded.data_ptr() <= p.data_ptr() < unit.sharded.data_ptr() + 4 * unit.sharded.numel())

@@ -1,4 +1,4 @@
-"""Properties of the flat layout (zero/flat.py), single process, with hypothesis."""
+"""Properties of the flat layout (zero/core/flat.py), single process, with hypothesis."""
 
 import math
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 
 # Shapes of up to 3 dims with sizes 0..6: 0-d (scalar) and empty parameters included.
 shapes = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=1, max_size=6)

@@ -103,8 +103,8 @@ def _hpz_memory(rank, n, kw):
     held = []
     units = zero.units_of(sys_.model)
     sys_.model.register_forward_hook(  # after the whole forward: what waits for backward
-        lambda m, a, o: held.append(sum(u._secondary.numel() for u in units
-                                        if u._secondary is not None)))
+        lambda m, a, o: held.append(sum(u.held().secondary.numel() for u in units
+                                        if u.held().secondary is not None)))
     with ZeroMemTracker(sys_.model, sys_.opt) as mt:
         sys_.step(rank, 1)
     return held[-1], [u.layout.padded_numel for u in units if u.reshard_after_forward]
@@ -116,7 +116,7 @@ def test_hpz_holds_a_secondary_shard_of_each_resharded_unit_until_its_backward()
 
 
 def test_cost_model_arithmetic():
-    from zero.cost import Cluster, collective_time, crosses_nodes
+    from zerolab.cost import Cluster, collective_time, crosses_nodes
 
     c = Cluster("test", ranks_per_node=8, intra_gbs=100, inter_gbs=10, intra_alpha_us=1,
                 inter_alpha_us=2)

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero
 from harness import run_ranks
-from zero.memory import model_state_bytes, schedule
+from zerolab.memory import model_state_bytes, schedule
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig, LoRAStack
 
@@ -178,7 +178,7 @@ def _schedule(rank, n, stage):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_schedule_predicts_the_measured_model_state_peak_to_the_byte(stage, n):
-    # zero/memory.py walks the paper's terms through our schedule, unit by unit, with the
+    # zerolab/memory.py walks the paper's terms through our schedule, unit by unit, with the
     # extras the formula leaves out (padding, step counters, units in flight).
     for measured, predicted in run_ranks(_schedule, n, stage):
         assert measured == predicted["peak"], (measured, predicted)

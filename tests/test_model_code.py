@@ -366,7 +366,7 @@ def test_the_fix_a_router_as_its_own_fp32_unit_matches_fsdp2():
 # ---- frozen base weights, trainable adapters (LoRA): stage 3 frees each block on time -------
 
 def test_lora_style_fine_tuning_matches_ddp_and_fsdp2():
-    # Each block's backward ends with the hook on its inputs' gradients (zero/hooks.py): the
+    # Each block's backward ends with the hook on its inputs' gradients (zero/core/hooks.py): the
     # extra autograd node must not change a single bit.
     make = lambda: LoRAStack(dim=32, blocks=3, rank=4)  # noqa: E731
     assert run_ranks(compare, 2, make, "ddp", ZERO + ["fsdp2"]) == [[], []]

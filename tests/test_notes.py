@@ -10,12 +10,13 @@ file under notes/:
    a leading ``zero.`` and a module prefix are ignored) points at its ``def`` or ``class``
    line, or at one of its decorators;
 3. any other label is a fragment of the statement it points at, and line n contains it,
-   character for character (``[`grad.to(self.reduce_dtype)`](../zero/grads.py#L82)``).
+   character for character (``[`grad.to(self.reduce_dtype)`](../zero/core/grads.py#L82)``).
 
 So a label can never be a file name with a line number attached: say which statement.
 After code moves, ``python tests/test_notes.py --fix`` re-points the links that break the
 rule to the line that satisfies it (a definition's line; the nearest line holding the
-fragment) and lists those it cannot place.
+fragment), in another file if its own no longer holds it (a file renamed or split: the one
+file that defines the label, or that holds the fragment), and lists those it cannot place.
 
 The notes quote the outputs of notes/figures/*.py, committed beside them as .txt files, and a
 figure that the code no longer produces teaches the wrong thing too. ``FIGURES`` says how
@@ -66,7 +67,7 @@ def resolve(symbol: str, defs: dict) -> tuple[int, int] | None:
     matches = [span for q, span in defs.items() if q.endswith("." + name)]
     if len(matches) == 1:
         return matches[0]
-    # `comm.reduce_scatter` in zero/comm.py; `Unit.reduce_grad` in zero/grads.py (a mixin's)
+    # `comm.reduce_scatter` in zero/comm/collectives.py; `Unit.reduce_grad` in zero/core/grads.py (a mixin's)
     prefix, _, rest = name.partition(".")
     return resolve(rest, defs) if rest and prefix not in defs else None
 
@@ -117,24 +118,29 @@ def test_every_code_link_names_the_line_it_lands_on():
 
 def test_the_rule_catches_a_link_one_line_off():
     """The checker itself: a definition one line off, a fragment one line off, a file name."""
-    grads = os.path.join(ROOT, "zero", "grads.py")
-    def_line = definitions(grads)["GradientMixin.reduce_grad"][1]
-    assert problem("`Unit.reduce_grad`", grads, def_line) is None
-    assert problem("`Unit.reduce_grad`", grads, def_line + 1) is not None
+    grads = os.path.join(ROOT, "zero", "core", "grads.py")
+    def_line = definitions(grads)["Gradient.start_reduce"][1]
+    assert problem("`Gradient.start_reduce`", grads, def_line) is None
+    assert problem("`Gradient.start_reduce`", grads, def_line + 1) is not None
     lines = open(grads).read().splitlines()
     at = next(i for i, s in enumerate(lines, 1) if "grad.to(self.reduce_dtype)" in s)
     assert problem("`grad.to(self.reduce_dtype)`", grads, at) is None
     assert problem("`grad.to(self.reduce_dtype)`", grads, at + 1) is not None
     assert problem("`grads.py`", grads, at) is not None
     assert problem("grads.py", grads, at) is not None
-    found = LINK.search("see [`grad[self._slot]`](../zero/grads.py#L7).")  # brackets in code
+    found = LINK.search("see [`grad[self._slot]`](../zero/core/grads.py#L7).")  # brackets in code
     assert found and found.group(1) == "`grad[self._slot]`" and found.group(4) == "7"
+    # --fix follows a label into the one file that now defines it (a file renamed or split)
+    assert _elsewhere("`Gradient.start_reduce`") == (grads, def_line)
+    at = next(i for i, s in enumerate(lines, 1) if "kept = self.keeps_full and" in s)
+    assert _elsewhere("`kept = self.keeps_full and`") == (grads, at)
+    assert _elsewhere("`no such code anywhere`") is None
 
 
 # ---- the figures' committed outputs ------------------------------------------------------
 
 RERUN = "rerun"  # cheap and deterministic: rerun and compared character for character
-SCHEDULE = ("its model-state peaks are zero.memory.schedule's, which tests/test_memory.py "
+SCHEDULE = ("its model-state peaks are zerolab.memory.schedule's, which tests/test_memory.py "
             "holds to the measured peak, to the byte (test_memory_figures_quote_the_schedule); "
             "a run takes 10-20 s")
 FIGURES = {
@@ -206,8 +212,8 @@ def _numbers(pattern: str, text: str) -> list[tuple[int, ...]]:
 
 
 def test_memory_figures_quote_the_schedule():
-    from zero.flat import FlatLayout
-    from zero.memory import schedule
+    from zero.core.flat import FlatLayout
+    from zerolab.memory import schedule
     from zerolab.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/test_memory.py's
@@ -231,7 +237,7 @@ def test_memory_figures_quote_the_schedule():
 
 
 def test_traffic_figure_quotes_ring_accounting():
-    from zero.flat import FlatLayout
+    from zero.core.flat import FlatLayout
     from zerolab.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=4))  # the figure's
@@ -269,9 +275,9 @@ def test_the_readme_says_how_long_the_code_is():
     readme = open(os.path.join(ROOT, "README.md")).read()
     lines = lambda paths: sum(len(open(os.path.join(ROOT, p)).read().splitlines())  # noqa: E731
                               for p in paths)
-    mechanism = [f"zero/{m}.py" for m in ("flat", "comm", "stage", "unit", "hooks", "grads",
-                                           "root", "shard")]
-    package = glob.glob(os.path.join(ROOT, "zero", "*.py"))
+    mechanism = [*glob.glob("zero/core/*.py", root_dir=ROOT), *glob.glob("zero/comm/*.py", root_dir=ROOT),
+                 "zero/shard.py"]
+    package = glob.glob(os.path.join(ROOT, "zero", "**", "*.py"), recursive=True)
     said = re.search(r"The\s+three stages alone take (\d+) lines.*?the mechanism of the full package"
                      r".*?about ([\d,]+);.*?the whole\s+package.*?about ([\d,]+)", readme, re.S)
     assert said, "the README's sentence about sizes changed: update this test"
@@ -295,6 +301,27 @@ def _place(label: str, full: str, line: int) -> int | None:
     return min(hits, key=lambda i: abs(i - line)) if hits else None
 
 
+def _elsewhere(label: str) -> tuple[str, int] | None:
+    """Where a label that its file no longer holds went (a file renamed or split): the one
+    Python file of the project that defines it, or else the one with a line containing it."""
+    code = label[1:-1] if label.startswith("`") and label.endswith("`") else None
+    if code is None:
+        return None
+    files = [f for d in ("zero", "zerolab", "benchmarks", "tests", "notes")
+             for f in sorted(glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True))
+             if not os.path.samefile(f, __file__)]  # (this file quotes labels as examples)
+    name = code.removesuffix("()").removeprefix("zero.")
+    defined = [(f, defs[name][1]) for f in files if name in (defs := definitions(f))]
+    defined = defined or [(f, span[1]) for f in files if (span := resolve(code, definitions(f)))]
+    if len(defined) == 1:
+        return defined[0]
+    if defined:
+        return None  # defined in several files: say which in the label
+    found = [(f, i) for f in files for i, s in enumerate(open(f).read().splitlines(), 1)
+             if code in s]
+    return found[0] if len({f for f, _ in found}) == 1 else None
+
+
 def fix() -> None:
     moved, left = 0, []
     for chapter in chapters():
@@ -307,12 +334,17 @@ def fix() -> None:
             if problem(label, full, line) is None:
                 return m.group(0)
             new = _place(label, full, line)
-            if new is None:
+            if new is not None:
+                moved += 1
+                return f"[{label}]({ups}{path}#L{new})"
+            found = _elsewhere(label)
+            if found is None:
                 left.append(f"{os.path.relpath(chapter, ROOT)}: {m.group(0)}: "
                             f"{problem(label, full, line)}")
                 return m.group(0)
             moved += 1
-            return f"[{label}]({ups}{path}#L{new})"
+            rel = os.path.relpath(found[0], os.path.dirname(chapter))
+            return f"[{label}]({rel}#L{found[1]})"
 
         new_text = LINK.sub(repoint, text)
         if new_text != text:

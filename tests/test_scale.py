@@ -10,7 +10,7 @@ import torch
 
 import zero
 from harness import run_ranks
-from zero.memory import model_state_bytes
+from zerolab.memory import model_state_bytes
 from zerolab.trackers import PeakMemTracker
 from zerolab.models import GPT, GPTConfig, UnevenMLP, gpt_init
 

@@ -1,13 +1,22 @@
 """zero: ZeRO stages 1, 2 and 3, written from scratch on torch.distributed collectives.
 
-New to ZeRO? Read ``minimal`` first: the whole idea in one file. Then, in this order:
-``flat`` (the flat parameter), ``comm`` (collectives, the ledger, agreement), ``stage`` (the
-policy table), ``unit``, ``hooks``, ``grads`` and ``root`` (one mechanism: a unit's parameters,
-its life in one iteration, its gradient, and what the root does for all units), ``shard``
-(the public entry point), ``guard``, ``refuse`` and ``outside`` (what stands between a user
-and a silent wrong result), then ``mixed_precision``, ``clip``, ``state_dict``,
-``controls`` (FSDP2's control surface), ``init`` (meta-device initialisation),
-``checkpoint`` and ``memory``.
+New to ZeRO? Read ``minimal`` first: the whole idea in one file. Then the package, bottom-up,
+one layer a folder; no file imports one above it:
+
+- ``comm/`` the collectives: ``backend`` (the one place torch.distributed is called),
+  ``ledger`` (every collective recorded), ``agree`` (ranks that diverge raise),
+  ``collectives``, and ``flat_collectives`` (how a unit's flat buffers cross the ranks);
+- ``core/`` the mechanism: ``state`` (a unit's two states), ``flat`` (the flat parameter),
+  ``stage`` (the policy table and every rule derived from it), ``tree``, ``grads`` (a unit's
+  gradient), ``unit`` (its parameters: unshard / reshard), ``registry`` (who owns what),
+  ``schedule`` (prefetch and the order of reductions), ``checks`` and ``saved_tensors``
+  (what stands between a user and a silent wrong result), ``root`` (what the root does for
+  all units), ``hooks`` (the life of a unit in one iteration: the only file that hooks
+  modules and autograd);
+- ``checkpoint/`` sharded checkpoints, read as data only;
+- the public surface, here: ``shard`` (the entry point), ``policies`` (``MixedPrecision``),
+  ``controls`` (FSDP2's control surface), ``torch_hooks`` (hooks on torch's optimizers and
+  state dicts), ``clip``, ``state_dict``, ``meta_init``, ``grad_scaler``.
 """
 
 from zero.checkpoint import load, save
@@ -22,9 +31,10 @@ from zero.controls import (
     set_reshard_after_forward,
     unshard,
 )
-from zero.init import init_parameters
-from zero.mixed_precision import MixedPrecision, ShardedGradScaler
-from zero.shard import no_sync, shard, units_of
+from zero.grad_scaler import ShardedGradScaler
+from zero.meta_init import init_parameters
+from zero.policies import MixedPrecision
+from zero.shard import no_sync, piece_of, shard, unit_of, units_of, units_on
 from zero.state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -37,6 +47,7 @@ __all__ = [
     "load",
     "load_full_state_dict",
     "no_sync",
+    "piece_of",
     "reshard",
     "save",
     "set_modules_to_backward_prefetch",
@@ -45,6 +56,8 @@ __all__ = [
     "set_reshard_after_backward",
     "set_reshard_after_forward",
     "shard",
+    "unit_of",
     "units_of",
+    "units_on",
     "unshard",
 ]

@@ -23,14 +23,11 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("out", help="the .pt file to write")
     tr = sub.add_parser("trace", help="run one step of a small GPT on 2 local gloo ranks and "
                                       "print every hook and collective in order")
-    tr.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
-    tr.add_argument("--layers", type=int, default=2, help="GPT blocks, 1 to 16 (default 2)")
-    tr.add_argument("--dim", type=int, default=32, help="width, a multiple of 4 (default 32)")
-    tr.add_argument("--world-size", type=int, default=2, help="local ranks, 2 to 8 (default 2)")
+    from zerolab import trace  # the bench's: it watches zero from the outside
+
+    trace.add_arguments(tr)
     args = parser.parse_args(argv)
     if args.command == "trace":
-        from zerolab import trace  # the bench's: it watches zero from the outside
-
         trace.run(args, tr)
         return
     try:

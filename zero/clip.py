@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from zero import comm
-from zero.shard import units_of
+from zero.core import registry
+from zero.core.registry import units_of
 
 
 def clip_grad_norm_(
@@ -36,16 +37,16 @@ def clip_grad_norm_(
     group = units[0].group  # the shard group: replicas (HSDP) hold equal shards
     with comm.raising_together(units[0].all_group):
         loose = [n for n, p in model.named_parameters()
-                 if not hasattr(p, "_zero_unit") and not getattr(p, "_zero_ignored", False)]
+                 if not registry.is_piece(p) and not registry.is_ignored(p)]
         if loose:
             raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
                              "module")
     comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=units[0].all_group,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     with_grad = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in with_grad if hasattr(p, "_zero_unit")]
+    grads = [p.grad for p in with_grad if registry.is_piece(p)]
     # ignored_params are whole on every rank: their share of the norm is counted once, after
-    whole = [p.grad for p in with_grad if not hasattr(p, "_zero_unit")]
+    whole = [p.grad for p in with_grad if not registry.is_piece(p)]
     norm_type = float(norm_type)
     device = units[0].unsharded.device
     dtype = grads[0].dtype if grads else torch.float32

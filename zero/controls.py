@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from zero.shard import units_of
+from zero.core import registry
 
 
 def _unit(module: nn.Module):
-    unit = getattr(module, "_zero_unit", None)
+    unit = registry.unit_on(module)
     if unit is None:
         raise ValueError(f"{type(module).__name__} is not a unit: call zero.shard on it first "
                          "(these controls act on the module zero.shard was given)")
@@ -36,7 +36,7 @@ def _unit(module: nn.Module):
 
 def _units(module: nn.Module, recurse: bool) -> list:
     _unit(module)
-    return units_of(module) if recurse else module._zero_units
+    return registry.units_of(module) if recurse else registry.units_on(module)
 
 
 class UnshardHandle:
@@ -94,7 +94,7 @@ def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,
         if unit.stage.keep_params:
             raise ValueError("reshard_after_forward only applies to stage 3: stages 1 and 2 "
                              "always keep their full parameters")
-        unit._reshard_after_forward = reshard_after_forward
+        unit.reshard_after_forward_setting = reshard_after_forward
 
 
 def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool,

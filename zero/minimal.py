@@ -11,7 +11,7 @@ AG all-gather, RS reduce-scatter):
 | 2 `Stage2` | + gradients     | all params; one unit's grad at a time        | 1 AG, 1 RS     |
 | 3 `Stage3` | + parameters    | the running units' params; one unit's grad   | 2 AG, 1 RS     |
 
-A unit's parameters lie end to end in one padded flat buffer (``zero/flat.py``); rank r owns
+A unit's parameters lie end to end in one padded flat buffer (``zero/core/flat.py``); rank r owns
 the slice ``[r*S, (r+1)*S)``, and its optimizer sees nothing else. Use (fp32; every rank
 builds the same model)::
 
@@ -20,7 +20,7 @@ builds the same model)::
     loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
 
 Limits: one forward and one backward per step; every parameter trained and used; one tensor
-out of each unit. The full package (``zero/unit.py``) computes the same bits and does more:
+out of each unit. The full package (``zero/core/unit.py``) computes the same bits and does more:
 its full flat parameter is an autograd leaf whose post-accumulate-grad hook marks the
 gradient complete, because that leaf also sums ``no_sync`` micro-batches and holds frozen
 parameters; parameters keep their names; it prefetches, reduces asynchronously, keeps the
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 
 
 class Gather(torch.autograd.Function):

@@ -9,22 +9,25 @@ module's parameters that no unit below it owns yet::
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding
 
 Every check runs on every rank before the first collective, and the ranks agree on the
-outcome (``comm.agreeing``): a mistake on one rank raises on all of them, none hangs.
+outcome (``comm.raising_together``, ``comm.agree``): a mistake on one rank raises on all of them, none hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero import comm, hooks, outside
-from zero.mixed_precision import MixedPrecision
-from zero.stage import STAGES
-from zero.unit import Unit
+from zero import comm, torch_hooks
+from zero.core import hooks, registry
+from zero.core.registry import piece_of, unit_of, units_of, units_on
+from zero.core.stage import STAGES
+from zero.core.unit import Unit
+from zero.policies import MixedPrecision
+
+__all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
 
 
 def shard(
@@ -123,16 +126,15 @@ def shard(
         if child.parent is None:
             child.parent = unit
     for p in ignored_params or ():
-        p._zero_ignored = True
+        registry.mark_ignored(p)
     for u, replaced in zip(units, originals):
-        outside.replace(replaced, u, names)
+        torch_hooks.replace(replaced, u, names)
         u.use_sharded_params()
     for m in modules:
-        m._zero_unit, m._zero_units = unit, units
-        for u in units:
-            m.register_forward_pre_hook(partial(hooks.pre_forward, u), with_kwargs=True)
-            m.register_forward_hook(partial(hooks.post_forward, u))
-    outside.install(modules + [mod for locs in locations for mod, _ in locs])
+        registry.attach(m, units)
+    for u in units:
+        hooks.install(u)
+    torch_hooks.install(modules + [mod for locs in locations for mod, _ in locs])
     for u in units:
         if u.materialized:  # stages 1/2: every rank starts from the same full parameters
             u.shard_changed(phase="init")
@@ -173,7 +175,7 @@ def _check(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forwar
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
         raise TypeError("mp_policy must be a zero.MixedPrecision")
     for module in modules:
-        if getattr(module, "_zero_unit", None) is not None:
+        if registry.unit_on(module) is not None:
             raise RuntimeError(
                 f"{type(module).__name__} is already sharded; call zero.shard once per module")
 
@@ -212,11 +214,11 @@ def _own_parameters(modules: list[nn.Module], children: list[Unit], ignored: set
     for top in modules:
         for mod_name, mod in top.named_modules():
             for attr, p in mod._parameters.items():
-                if p is None or id(p) in ignored or getattr(p, "_zero_ignored", False):
+                if p is None or id(p) in ignored or registry.is_ignored(p):
                     continue
-                owner = getattr(p, "_zero_unit", None)
-                if getattr(p, "_zero_replaced", None) is not None:  # tied to a unit's original
-                    raise _shared_error(f"{mod_name}.{attr}", p._zero_replaced)
+                owner = registry.unit_of(p)
+                if registry.replaced_by(p) is not None:  # tied to a unit's original
+                    raise _shared_error(f"{mod_name}.{attr}", registry.replaced_by(p))
                 if owner is None:
                     found.setdefault(id(p), (p, []))[1].append((mod, attr))
                 elif owner not in inside:
@@ -245,19 +247,6 @@ def _names(modules: list[nn.Module], params):
 
 
 # ---- model-level helpers -----------------------------------------------------------------------
-
-
-def units_on(module: nn.Module) -> list[Unit]:
-    """The units ``zero.shard(module)`` made: one, or two (trainable, frozen)."""
-    return getattr(module, "_zero_units", [])
-
-
-def units_of(model: nn.Module) -> list[Unit]:
-    """The units in ``model``, in module order (the same order on every rank)."""
-    units = list({u: None for m in model.modules() for u in units_on(m)})
-    if not units:
-        raise ValueError(f"{type(model).__name__} has no unit: call zero.shard on it first")
-    return units
 
 
 @contextlib.contextmanager

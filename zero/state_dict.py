@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zero import comm, outside
-from zero.shard import units_of
+from zero import comm, torch_hooks
+from zero.core.registry import units_of
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             # (S,) per rank -> (N*S,): the master weights, whole
             comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other")
             unit.use(unit.layout.views(flat))
-        with outside.state_dict_access():
+        with torch_hooks.state_dict_access():
             return model.state_dict()
     finally:
         for unit in units:
@@ -49,7 +49,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         for unit in units:
             fulls[unit] = unit.sharded.new_zeros(unit.layout.padded_numel)
             unit.use(unit.layout.views(fulls[unit]))  # torch copies each tensor in here
-        with outside.state_dict_access():
+        with torch_hooks.state_dict_access():
             result = model.load_state_dict(state_dict, strict=strict)
     finally:
         for unit in units:
@@ -57,5 +57,5 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():
-            unit.sharded.copy_(flat[unit._slot])  # our slice; the next forward gathers the rest
+            unit.sharded.copy_(flat[unit.local.slot])  # our slice; the next forward gathers the rest
     return result

@@ -2,7 +2,7 @@
 
 ``CommBytes`` is torch's ``CommDebugMode`` (which counts c10d collectives as they pass the
 dispatcher) extended to add up the bytes each rank sends, with the same ring accounting as
-our ledger (zero/comm.py): (N-1)/N of the full buffer for an all-gather, a reduce-scatter
+our ledger (zero/comm/ledger.py): (N-1)/N of the full buffer for an all-gather, a reduce-scatter
 or a broadcast (the average over ranks of a pipelined ring broadcast), 2(N-1)/N for an
 all-reduce. Our own collectives pass the same dispatcher, so for our stages ``CommBytes``
 and the ledger must agree: the benchmark checks that they do.

@@ -2,7 +2,7 @@
 
 A small GPT is sharded with ``zero.shard`` on 2 local gloo ranks and trained for one warm-up
 step; the next step is then told, in order, as rank 0 sees it: each unit's hooks (the four
-of ``zero/hooks.py``), each collective (from the ledger, when it was issued and when its
+of ``zero/core/hooks.py``), each collective (from the ledger, when it was issued and when its
 ``wait()`` returned), the end of backward and the optimizer step, with the parameter and
 gradient bytes the rank holds just after each event.
 
@@ -11,10 +11,10 @@ Everything is watched from the outside; zero records nothing for it but its ledg
   runs *before* zero's ``pre_forward``, a forward hook that runs *after* its ``post_forward``,
   a hook on each output tensor that runs before zero's ``pre_backward``, and a hook on the
   unit's flat parameter that runs when its gradient is complete, before ``post_backward``;
-- a ``zero.Ledger`` whose record list notes what the rank holds as each record arrives;
+- a ``zero.Ledger(on_record=...)`` that notes what the rank holds as each record arrives;
 - what the rank holds: the bytes of the distinct storages behind the units' parameters
-  (``unsharded``, ``sharded``) and gradients (``unsharded.grad``, a reduction in flight,
-  a reduced shard, ``p.grad``), read from the units, never changed.
+  (``unsharded``, ``sharded``) and gradients (the full flat gradient, a reduction in flight,
+  a reduced shard, ``p.grad``), read from each unit's ``held()``, never changed.
 
 All events happen on the rank's main thread (a collective's ``done`` is when ``wait()``
 returned there), so their order is the program's and the same on every run; only the
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import zero
-from zero.tree import tensors_in
+from zero.core.tree import tensors_in
 from zerolab.launch import run_ranks
 from zerolab.models import GPT, GPTConfig
 
@@ -65,18 +65,6 @@ class Trace:
     records: list[Any] = field(default_factory=list)  # the step's ledger, in issue order
 
 
-class _Watched(list):
-    """A ledger's record list that calls ``seen(record)`` as each record arrives."""
-
-    def __init__(self, seen):
-        super().__init__()
-        self.seen = seen
-
-    def append(self, record) -> None:
-        super().append(record)
-        self.seen(record)
-
-
 def held(units, extra_grads: int = 0) -> tuple[int, int, list[str]]:
     """Bytes of parameters and of gradients this rank holds now, and the units held whole.
 
@@ -94,15 +82,13 @@ def held(units, extra_grads: int = 0) -> tuple[int, int, list[str]]:
         seen.add(storage.data_ptr())
         return storage.nbytes()
 
-    params = sum(size(u.unsharded) + size(u.sharded) for u in units)
+    now = [u.held() for u in units]
+    params = sum(size(h.unsharded) + size(h.sharded) for h in now)
     grads = extra_grads
-    for u in units:
-        reduction = getattr(u, "_reduction", None)  # (work, the gradient being reduced, ...)
-        for t in [u.unsharded.grad, reduction[1] if reduction else None,
-                  getattr(u, "_grad_shard", None), getattr(u, "_unsynced", None),
-                  *(p.grad for p in u.params)]:
+    for u, h in zip(units, now):
+        for t in [h.gradient, h.reducing, h.reduced, h.unsynced, *(p.grad for p in u.params)]:
             grads += size(t)
-    full = [u.name for u in units if u.unsharded.untyped_storage().nbytes()]
+    full = [u.name for u, h in zip(units, now) if h.unsharded.untyped_storage().nbytes()]
     return params, grads, full
 
 
@@ -168,8 +154,7 @@ def _step(rank: int, n: int, stage: int, config: GPTConfig) -> Trace | None:
     opt.register_step_pre_hook(lambda *a: note("", "opt.step(): AdamW updates this rank's shards"))
     opt.register_step_post_hook(lambda *a: note("", "opt.step() returns"))
 
-    ledger = zero.Ledger()
-    ledger.records = _Watched(seen)
+    ledger = zero.Ledger(on_record=seen)
     x, y = batch(1)
     start = time.perf_counter()
     with ledger:
@@ -277,11 +262,20 @@ def narrate(t: Trace) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m zero trace`` (zero/__main__.py defines the arguments)."""
-    import zero.__main__
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace's flags (``python -m zero trace`` and ``python -m zerolab.trace``)."""
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
+    parser.add_argument("--layers", type=int, default=2, help="GPT blocks, 1 to 16 (default 2)")
+    parser.add_argument("--dim", type=int, default=32, help="width, a multiple of 4 (default 32)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="local ranks, 2 to 8 (default 2)")
 
-    zero.__main__.main(["trace", *(argv if argv is not None else sys.argv[1:])])
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m zerolab.trace``, the same as ``python -m zero trace``."""
+    parser = argparse.ArgumentParser(prog="python -m zerolab.trace", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv if argv is not None else sys.argv[1:]), parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

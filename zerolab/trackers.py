@@ -4,7 +4,7 @@
 buffers are parameters, the flat gradient arriving at the leaf and every reduce-scatter
 output are gradients. It also keeps each category's own peak, which MemTracker does not
 (its peak snapshot is the moment of the largest *total*). The paper's formulas it is
-compared with are in ``zero/memory.py``.
+compared with are in ``zerolab/memory.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
-from zero.shard import units_of
+from zero import units_of
 
 _RS = torch.ops.c10d._reduce_scatter_base_.default
 _COPY = torch.ops.aten._to_copy.default
@@ -130,18 +130,16 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         super().__enter__()
         self.track_external(self._model, self._optimizer)
         for unit in units_of(self._model):
+            held = unit.held()
             # stage 3's unsharded parameters are transient; stages 1/2 keep theirs
-            self._tag(unit._unsharded_data, _MemRefType.PARAM, not unit.stage.keep_params)
-            self._tag(unit.sharded, _MemRefType.PARAM, transient=False)
-            if unit.unsharded.requires_grad:  # the flat gradient, before it is accumulated
-                self._handles.append(unit.unsharded.register_hook(partial(self._tag_grad, unit)))
+            self._tag(held.unsharded, _MemRefType.PARAM, unit.stage.frees_parameters)
+            self._tag(held.sharded, _MemRefType.PARAM, transient=False)
+            if held.unsharded.requires_grad:  # the flat gradient, before it is accumulated
+                self._handles.append(held.unsharded.register_hook(partial(self._tag_grad, unit)))
             # (a unit whose parameters are all frozen has no flat gradient to tag)
-            unit.wait_reduce = partial(self._tag_shard, unit, unit.wait_reduce)
         return self
 
     def __exit__(self, *args: Any) -> None:
-        for unit in units_of(self._model):
-            del unit.wait_reduce  # the method again
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -161,11 +159,6 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
                 self._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
         return total(module.parameters(), _MemRefType.PARAM), total(module.buffers(),
                                                                     _MemRefType.BUFFER)
-
-    def _tag_shard(self, unit, wait_reduce) -> None:
-        wait_reduce()  # the reduced shard (what the parameters' .grad will view) is a state
-        if unit._grad_shard is not None:
-            self._tag(unit._grad_shard, _MemRefType.GRAD, transient=False)
 
     def _tag_grad(self, unit, grad: torch.Tensor) -> None:
         # Stages 2/3 reduce a unit's full gradient and free it during backward: transient.

@@ -15,8 +15,8 @@ import time
 import torch
 
 import zero
-from zero.flat import FlatLayout
-from zero.fsdp2_layout import chunk_of
+from zero.core.flat import FlatLayout
+from zero.checkpoint.fsdp2_layout import chunk_of
 from zerolab.launch import run_ranks
 from zerolab.models import GPT, GPTConfig
 from zerolab.systems import System

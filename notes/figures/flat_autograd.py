@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 from zerolab.launch import run_ranks
 from zerolab.models import Block, GPTConfig
 
@@ -90,7 +90,7 @@ def storage_sizes(rank, n):
     torch.manual_seed(0)
     block = Block(GPTConfig(dim=DIM))
     zero.shard(block, stage=3)
-    unit = block._zero_unit
+    unit = zero.units_on(block)[0]
     seen = {"after zero.shard": unit.unsharded.untyped_storage().nbytes()}
     block.register_forward_hook(  # runs before the unit's own post-forward (which frees)
         lambda m, a, o: seen.__setitem__("during forward", unit.unsharded.untyped_storage().nbytes()),

@@ -20,7 +20,7 @@ def one_rank(rank, n):
     names = [name for name, _ in block.named_parameters()]
     shapes = [tuple(p.shape) for p in block.parameters()]
     zero.shard(block, stage=3)
-    unit = block._zero_unit
+    unit = zero.units_on(block)[0]
     lay = unit.layout
     return {
         "names": names, "shapes": shapes, "offsets": lay.offsets, "numels": lay.numels,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from compare import MODELS, System, max_relative_difference, run_and_compare  # noqa: E402
 
+import zero  # noqa: E402
 from zerolab.launch import run_ranks  # noqa: E402
 
 STEPS = 5
@@ -50,7 +51,7 @@ def full_grads(system):
         return {n: p.grad.clone() for n, p in system.model.module.named_parameters()}
     mine = {}
     for name, p in system.model.named_parameters():
-        piece = p._zero_unit._pieces.get(p._zero_index)
+        piece = zero.piece_of(p)
         if piece is not None and p.grad is not None:
             mine[name] = (piece.param_offset, p.grad.clone())
     every = [None] * dist.get_world_size()

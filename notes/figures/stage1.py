@@ -20,10 +20,9 @@ from torch.distributed._tools.mem_tracker import _MemRefType as Ref
 
 import zero
 from zerolab.launch import run_ranks
-from zero.memory import model_state_bytes
+from zerolab.memory import model_state_bytes
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig
-from zero.unit import Unit
 
 WORLD_SIZE = 2
 CONFIG = GPTConfig(layers=8, dim=64, vocab=64, seq=16)  # tests/test_memory.py's model
@@ -69,22 +68,7 @@ def memory(rank, n, mp):
 def events(rank, n, mp):
     log = []  # (time, what)
     model, opt = build(BF16 if mp else None)
-    originals = {name: getattr(Unit, name) for name in ("wait_reduce", "wait_unshard")}
-
-    def wait_reduce(self):
-        pending = self._reduction is not None
-        originals["wait_reduce"](self)
-        if pending:
-            log.append((time.perf_counter(), f"reduce-scatter done     {self.name}"))
-
-    def wait_unshard(self):
-        pending = self._pending is not None
-        originals["wait_unshard"](self)
-        if pending:
-            log.append((time.perf_counter(), f"all-gather done         {self.name}"))
-
     step(model, opt, rank, 0)
-    Unit.wait_reduce, Unit.wait_unshard = wait_reduce, wait_unshard
     for u in zero.units_of(model):
         u.module.register_forward_pre_hook(
             lambda m, a, u=u: log.append((time.perf_counter(), f"forward computes        {u.name}")))
@@ -99,11 +83,11 @@ def events(rank, n, mp):
         opt.zero_grad()
         x, y = model.batch(2, torch.Generator().manual_seed(20 + rank))
         model(x)  # the next forward: where the all-gathers are waited for
-    for name, fn in originals.items():
-        setattr(Unit, name, fn)
     for r in ledger.records:  # the ledger's issue times: every collective of the step
         where = f"{r.unit} ({r.phase})" if r.unit else "(the ranks agree on what comes next)"
         log.append((r.time, f"{(r.op.replace('_', '-') + ' issued'):<23} {where}"))
+        if r.done is not None and r.op in ("all_gather", "reduce_scatter"):  # wait() returned
+            log.append((r.done, f"{(r.op.replace('_', '-') + ' done'):<23} {r.unit}"))
     log.sort()
     t0 = next(t for t, what in log if what == "backward starts")
     return [(1e3 * (t - t0), what) for t, what in log if t >= t0]

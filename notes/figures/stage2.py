@@ -8,7 +8,7 @@ Part 1: how often a unit's forward runs and how often the post-accumulate-grad h
 flat leaf fires per backward, for a plain GPT, a GPT whose first block is called twice, and
 activation checkpointing inside / around each block (tests/test_features.py's variants).
 Part 2: tests/test_memory.py's model (8 blocks of dim 64): the gradients' peak and the
-model states' (ZeroMemTracker), beside tests/test_memory.py's bound and zero.memory.schedule.
+model states' (ZeroMemTracker), beside tests/test_memory.py's bound and zerolab.memory.schedule.
 Part 3: a module with a frozen layer in front of a trainable one (sharded as two units, its
 trainable and its frozen parameters): the order of events in backward. Part 4: UnevenMLP (a frozen and an unused layer): which parameters get a gradient,
 and the one all-reduce that agrees on it. Part 5: two micro-batches, the first under no_sync.
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zero
 from zerolab.launch import run_ranks
-from zero.memory import model_state_bytes, schedule
+from zerolab.memory import model_state_bytes, schedule
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig, UnevenMLP
 
@@ -281,7 +281,7 @@ def main():
         print(f"  model states: without transients {g['kept']} = {g['kept'] / g['psi']:.3f} bytes/Ψ, "
               f"at the worst instant {g['states']} = {g['states'] / g['psi']:.3f} bytes/Ψ; "
               f"paper {paper:.0f} = {paper / g['psi']:.3f} bytes/Ψ")
-        print(f"  zero.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
+        print(f"  zerolab.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
               f"{sch['in_flight']} = {sch['peak']}\n")
 
     print("Part 3: a module whose frozen layer runs before its trainable one (x -> inp -> "

@@ -9,7 +9,7 @@ moment it was issued (Record.time) to the moment rank 0's wait() for it returned
 (Record.done), beside each unit's forward and backward (zerolab.trace watches the hooks); the
 PNG draws it. Part 2: each unit's unsharded storage right after its forward, and the most
 units unsharded at once. Part 3: tests/test_memory.py's model (8 blocks of dim 64):
-model-state bytes against the paper's 16Ψ/N and zero.memory.schedule. Part 4: bf16
+model-state bytes against the paper's 16Ψ/N and zerolab.memory.schedule. Part 4: bf16
 parameters / fp32 reduction: the ledger's dtypes, and FSDP2 side by side for 3 steps.
 Part 5: collectives per unit with activation checkpointing and with a unit called twice.
 The times in Part 1 change from run to run; nothing else does.
@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import zero
-from zero.memory import model_state_bytes, schedule
+from zerolab.memory import model_state_bytes, schedule
 from zerolab.launch import run_ranks
 from zerolab.models import GPT, GPTConfig
 from zerolab.systems import System
@@ -138,10 +138,10 @@ class Unsharded(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        live = [u.name for u in self.resharding if u._unsharded_data.untyped_storage().nbytes()]
+        live = [u.name for u in self.resharding if u.unsharded.untyped_storage().nbytes()]
         if len(live) > self.most:
             self.most, self.who = len(live), live
-        self.peak = max(self.peak, sum(u._unsharded_data.untyped_storage().nbytes() for u in self.units))
+        self.peak = max(self.peak, sum(u.unsharded.untyped_storage().nbytes() for u in self.units))
         return out
 
 
@@ -152,7 +152,7 @@ def storage(rank, n):
     after = []
     for u in units:  # registered after zero's post-forward hook: sees the state it leaves
         u.module.register_forward_hook(
-            lambda m, a, o, u=u: after.append((u.name, u._unsharded_data.untyped_storage().nbytes(),
+            lambda m, a, o, u=u: after.append((u.name, u.unsharded.untyped_storage().nbytes(),
                                                4 * u.layout.padded_numel, u.reshard_after_forward)))
     probe = Unsharded(units)
     with probe:
@@ -276,7 +276,7 @@ def main():
     print(f"  measured, at the worst instant: {m['states']} = {m['states'] / psi:.3f} bytes/Ψ; "
           f"transient peak {m['transient']}")
     sch = m["schedule"]
-    print(f"  zero.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
+    print(f"  zerolab.memory.schedule, unit by unit: at rest {sch['at_rest']} + in flight "
           f"{sch['in_flight']} = {sch['peak']} (measured: {m['states']})")
     print(f"  one block's full parameters or full gradient = {m['unit']} bytes; the root's "
           f"parameters {m['root']}")

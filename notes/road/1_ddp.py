@@ -3,7 +3,7 @@
 Every rank holds the whole model and the whole optimizer state and takes the same step;
 after backward, every gradient is all-reduced to its mean over the ranks (torch's DDP does
 the same, bucket by bucket). Built the way the next steps need it: a unit's parameters are
-one flat tensor (zero/flat.py), and ``Gather`` hands a unit its full parameter in forward
+one flat tensor (zero/core/flat.py), and ``Gather`` hands a unit its full parameter in forward
 and takes its full gradient in backward. DDP has nothing to gather: the "shard" is it all.
 """
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 
 
 class Gather(torch.autograd.Function):

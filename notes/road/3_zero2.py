@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 
 
 class Gather(torch.autograd.Function):

@@ -3,7 +3,7 @@
 In step 4 every unit waits for its own all-gather. Here, while a unit computes, the next
 unit's all-gather is already running (async): in forward the unit after it, in backward the
 unit before it. Two blocks hold full parameters at a time instead of one, and the network
-works while the CPU/GPU does. zero/root.py does the same, learning the order as units run.
+works while the CPU/GPU does. zero/core/root.py does the same, learning the order as units run.
 """
 
 import torch
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 
 
 class Gather(torch.autograd.Function):

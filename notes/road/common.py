@@ -4,7 +4,7 @@ the report. Each step defines ``shard(model, blocks)`` and ends with ``common.ma
 Two local CPU ranks (forked, gloo) train a GPT of 4 blocks for 3 AdamW steps with the step's
 ``shard`` and with ``DistributedDataParallel``, each rank on its own data, and rank 0 reports
 the losses, whether the parameters are the same bits as DDP's after every step, and what one
-step cost: the collectives in the ledger (``zero/comm.py``) and the optimizer state.
+step cost: the collectives in the ledger (``zero/comm/collectives.py``) and the optimizer state.
 """
 
 import copy

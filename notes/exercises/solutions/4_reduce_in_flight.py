@@ -6,7 +6,7 @@ unit's. Start each reduce-scatter asynchronously and let backward go on; keep at
 flight (wait for the previous one before starting the next: a full gradient then lives one
 unit longer, the price of the overlap), and wait for the last before backward ends: the
 root's gradient is the last to complete. FSDP2 does this by default (each unit's
-post-backward waits for the previous reduce-scatter); zero/root.py ends each one sooner.
+post-backward waits for the previous reduce-scatter); zero/core/root.py ends each one sooner.
 """
 
 import torch
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm
-from zero.flat import FlatLayout
+from zero.core.flat import FlatLayout
 
 
 class Gather(torch.autograd.Function):

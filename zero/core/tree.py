@@ -7,8 +7,8 @@ namedtuples. ``torch.utils._pytree`` does not look inside a dataclass it was not
 about, and a tensor we do not find is a unit whose backward we never see. So we walk the
 same containers FSDP2 walks (``torch.distributed.utils._apply_to_tensors``): tensors,
 namedtuples, dataclasses, dicts, lists and tuples. Anything else is a leaf; a stage-3 unit
-whose output tensors hide in one raises in backward (``zero/unit.py``'s guard), never reads
-freed memory.
+whose output tensors hide in one raises in backward (``zero/core/saved_tensors.py``), never
+reads freed memory.
 """
 
 from __future__ import annotations

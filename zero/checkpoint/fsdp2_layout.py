@@ -1,7 +1,7 @@
 """FSDP2's per-parameter layout, and moving one unit's flat shard to it and back.
 
 [Note: two layouts of the same numbers]
-- Ours (``zero/flat.py``): a unit's parameters end to end in one padded buffer, cut into N
+- Ours (``zero/core/flat.py``): a unit's parameters end to end in one padded buffer, cut into N
   equal slices; rank r holds elements ``[r * S, (r + 1) * S)`` of the *unit*.
 - FSDP2's (``fully_shard``): each *parameter* cut along dim 0 like ``torch.chunk``: with
   ``c = ceil(d0 / N)`` rows a chunk, rank r holds rows ``[r * c, (r + 1) * c)``, clipped to

@@ -22,6 +22,8 @@ from functools import partial
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from zero.core import registry
+
 _state = {"optimizer_hook": False, "state_dict_access": 0}
 
 
@@ -29,7 +31,7 @@ def replace(params, unit, names) -> None:
     """Mark the replaced originals: whoever still holds one is out of date."""
     name_of = {id(p): n for n, p in names}
     for orig in params:
-        orig._zero_replaced = unit
+        registry.mark_replaced(orig, unit)
         if orig.requires_grad:
             orig.register_hook(partial(_outside_use, name_of.get(id(orig), "?"), unit))
 
@@ -58,14 +60,14 @@ def units_of_optimizer(optimizer) -> list:
     units = {}  # ordered, deduplicated: the same order on every rank
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, "_zero_replaced", None) is not None:
+            if registry.replaced_by(p) is not None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds a parameter that zero.shard replaced by "
                     "its shard: the optimizer was built before sharding. Build it after "
                     "zero.shard, from model.parameters(). (Or it was given the parameters of a "
                     "module outside the sharded model that shares them: shard a module that "
                     "contains every user of a shared parameter)")
-            unit = getattr(p, "_zero_unit", None)
+            unit = registry.unit_of(p)
             if unit is not None:
                 units[unit] = None
     return list(units)

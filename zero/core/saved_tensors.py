@@ -4,7 +4,7 @@ Stage 3 frees a unit's full parameters after its forward and gathers them again 
 backward reaches the unit's output (its pre-backward hook). Meanwhile the autograd graph
 keeps views of the freed storage: a Linear saves its weight to compute its input's
 gradient. If the pre-backward hook never runs, because the output hid somewhere
-``zero/tree.py`` cannot see, backward would read whatever that memory holds by then:
+``zero/core/tree.py`` cannot see, backward would read whatever that memory holds by then:
 gradients that are silently wrong, different from run to run.
 
 So while units that free their parameters run forward, a saved-tensor hook (autograd's
@@ -17,8 +17,6 @@ stands aside: a copy cannot be freed under it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch._C._autograd import (
     _pop_saved_tensors_default_hooks,
@@ -27,10 +25,7 @@ from torch._C._autograd import (
     _top_saved_tensors_default_hooks,
 )
 
-from zero import refuse
-
-if TYPE_CHECKING:
-    from zero.unit import Unit
+from zero.core import checks
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -43,15 +38,15 @@ class _Saved:
 
     __slots__ = ("tensor", "unit")
 
-    def __init__(self, tensor: torch.Tensor, unit: "Unit"):
+    def __init__(self, tensor: torch.Tensor, unit):
         self.tensor, self.unit = tensor, unit
 
 
 class Guard:
     """One per root: active from the first guarded unit's pre-forward to its post-forward."""
 
-    def __init__(self, units: list["Unit"]):
-        self._units = {storage_key(u._unsharded_data): u for u in units}
+    def __init__(self, units: list):
+        self._units = {u.storage_key(): u for u in units}
         self._depth = 0  # guarded units currently inside their forward
         self._pushed = False
 
@@ -80,6 +75,6 @@ class Guard:
 
     def _unpack(self, saved):
         if isinstance(saved, _Saved):
-            refuse.freed_in_backward(saved.unit)
+            checks.freed_in_backward(saved.unit)
             return saved.tensor
         return saved

@@ -8,7 +8,7 @@ entries carry a CRC-32, but ``torch.load`` never checks it, so a flipped bit in 
 as a wrong number. Here:
 
 - ``Reader`` hands DCP the ``.metadata`` already read with the allow-list
-  (``zero/safe_pickle.py``) and checked (``zero/checkpoint_dir.py``), and checks the CRC-32 of
+  (``zero/checkpoint/safe_pickle.py``) and checked (``zero/checkpoint/directory.py``), and checks the CRC-32 of
   every record this rank reads, before DCP reads it;
 - ``Planner`` loads the values stored as bytes with ``torch.load(weights_only=True)``;
 - tensors DCP already loads with ``weights_only=True``.
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from zero.safe_pickle import ADVICE, UntrustedCheckpointError
+from zero.checkpoint.safe_pickle import ADVICE, UntrustedCheckpointError
 
 
 class Reader(FileSystemReader):

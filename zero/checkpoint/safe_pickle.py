@@ -6,7 +6,7 @@ whatever the file names. torch's DCP (2.13) reads ``.metadata`` with plain ``pic
 every rank, before anything is checked. Here ``_Unpickler``'s ``find_class`` hands out only
 the objects in ``ALLOWED``, what DCP's metadata is made of; anything else raises
 ``UntrustedCheckpointError``, naming it. The checkpoint's other pickles (the values stored as
-bytes) are read in ``zero/checkpoint_read.py``; the trust model is in notes/07-checkpoints.md,
+bytes) are read in ``zero/checkpoint/reader.py``; the trust model is in notes/07-checkpoints.md,
 "Trust".
 
 [Note: why the allowed set is safe]

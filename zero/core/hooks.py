@@ -8,9 +8,11 @@
                    parameters (stage 3)
 
 FSDP2 has the same four, with the same names. The root's end-of-backward callback
-(``Root._finish_backward``) then hands out the gradients and returns every unit to IDLE.
+(``Root.finish_backward``) then hands out the gradients and returns every unit to IDLE.
+This is the only file that hooks modules and autograd for a unit (``install``), and the only
+one that moves a unit through its ``TrainingState``.
 
-[Note: the training state] A unit is in exactly one ``State`` (FSDP2's ``TrainingState``):
+[Note: the training state] A unit is in exactly one ``TrainingState`` (``zero/core/state.py``):
 IDLE between iterations, FORWARD inside its forward, PRE_BACKWARD once backward has reached
 its output (its parameters gathered for backward), POST_BACKWARD once its gradient is
 complete. A forward or backward that raised leaves some unit elsewhere, and the root's next
@@ -30,27 +32,31 @@ backward still needs the parameters: a forward checkpointed in two pieces recomp
 second piece after the first piece's backward. So a stage-3 unit whose gradient completes in
 another backward than the one that reached its outputs (``backward_task``) is freed a little
 later: when the next unit's backward or recompute starts, or at the end of backward
-(``Root.free_deferred``); by then its own backward is over, and no more is held than the
+(``Schedule.free_deferred``); by then its own backward is over, and no more is held than the
 prefetched unit would hold anyway.
 """
 
 from __future__ import annotations
 
-import enum
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from zero import refuse
-from zero.tree import map_tensors, tensors_in
+from zero.core import checks
+from zero.core.root import root_of
+from zero.core.state import ShardedState
+from zero.core.state import TrainingState as State
+from zero.core.tree import map_tensors, tensors_in
 
 
-class State(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
+def install(unit) -> None:
+    """Hook each of the unit's modules: ``pre_forward`` before its forward, ``post_forward``
+    after; the other two are hooked on tensors as each forward runs."""
+    for m in unit.modules:
+        m.register_forward_pre_hook(partial(pre_forward, unit), with_kwargs=True)
+        m.register_forward_hook(partial(post_forward, unit))
 
 
 def in_backward() -> bool:
@@ -59,30 +65,32 @@ def in_backward() -> bool:
 
 
 def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
+    root = root_of(unit)
     if unit.cast_inputs:
         args, kwargs = map_tensors(unit.cast, (args, kwargs))
     if in_backward():  # activation-checkpoint recompute: gathered for backward
-        unit.root.free_deferred(but=unit)
+        root.schedule.free_deferred(but=unit)
         unit.unshard(phase="backward")
         unit.state = State.PRE_BACKWARD
     else:
         if unit.parent is None:
-            unit.root.begin_forward()  # reset what a failure left behind, agree, refresh
-        refuse.converted_after_sharding(unit)
-        if unit.stage.keep_params and unit._pending is None and unit.shard_written():
+            root.begin_forward()  # reset what a failure left behind, agree, refresh
+        checks.converted_after_sharding(unit)
+        if (unit.stage.keep_params and unit.sharded_state is ShardedState.UNSHARDED
+                and unit.shard_written()):
             unit.shard_changed()  # called on its own, not from the root's forward
-        unit.discard_gradients_if_zeroed()
+        unit.grads.discard_if_zeroed()
         unit.state = State.FORWARD
         unit.forward_calls += 1
         unit.unshard(phase="forward", async_op=True)
-        unit.root.forward_started(unit)  # records the order; prefetches the next unit
+        root.schedule.forward_started(unit, is_root=unit is root.unit)  # prefetches the next
         unit.wait_unshard()
         if torch.is_grad_enabled():
             if unit.reshard_after_forward:
-                unit.root.guard.enter()
-            if not unit.stage.keep_params and not all(p.requires_grad for p in unit.params):
+                root.guard.enter()
+            if unit.stage.frees_parameters and not all(p.requires_grad for p in unit.params):
                 args, kwargs = _hook_input_gradients(unit, args, kwargs)
-    unit.use_unsharded_views()
+    use_unsharded_views(unit)
     return args, kwargs
 
 
@@ -90,8 +98,9 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
     if in_backward():
         return output  # activation-checkpoint recompute: backward still needs everything
     if unit.reshard_after_forward and torch.is_grad_enabled():
-        unit.root.guard.exit()
-    unit.use_sharded_params(after_forward=True)
+        root_of(unit).guard.exit()
+    checks.replaced_in_forward(unit)
+    unit.use_sharded_params()
     unit.state = State.IDLE
     # A unit of several modules (zero.shard([a, b])) stays gathered until all have run.
     last = unit.forward_calls % len(unit.modules) == 0
@@ -109,23 +118,26 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
 
 def pre_backward(unit, grad: torch.Tensor) -> None:
     if unit.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
-        unit.root.free_deferred(but=unit)
+        root = root_of(unit)
+        root.schedule.free_deferred(but=unit)
         unit.backward_task = torch._C._current_graph_task_id()
         unit.state = State.PRE_BACKWARD
         unit.unshard(phase="backward", async_op=True)
-        unit.root.backward_started(unit)  # prefetches the unit before this one
+        root.queue_final_callback()
+        root.schedule.backward_started(unit)  # prefetches the unit before this one
         unit.wait_unshard()
-        unit.use_unsharded_views()  # for a recompute inside the unit's forward
+        use_unsharded_views(unit)  # for a recompute inside the unit's forward
 
 
 def post_backward(unit, leaf: torch.Tensor) -> None:
     """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
-    unit.root.queue_final_callback()
+    root = root_of(unit)
+    root.queue_final_callback()
     unit.state = State.POST_BACKWARD
     if not unit.requires_grad_sync:
-        unit.keep_unsynced_gradient()
-    elif unit.keeps_full_gradient or not unit.stage.keep_grads:
-        unit.root.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
+        unit.grads.keep_unsynced()
+    elif unit.stage.reduces_when_complete(unit.keeps_full_gradient):
+        root.schedule.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
     if unit.stage.keep_params:
         # Stages 1/2 give the module its sharded parameters back at the end of backward
         # (end_iteration): a second checkpointed piece of the unit's forward may still
@@ -134,9 +146,39 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
     # Frozen parameters may still be read for an input gradient: see the module note.
     if all(p.requires_grad for p in unit.params) or unit.inputs_done:
         if torch._C._current_graph_task_id() != unit.backward_task:
-            unit.root.defer_reshard(unit)  # completed in a recompute's backward: module note
+            root.schedule.defer_reshard(unit)  # completed in a recompute's backward: module note
         else:
-            reshard_after_backward(unit)
+            unit.release_after_backward()
+
+
+# ---- the views the module computes with, and their autograd hooks --------------------------
+
+def use_unsharded_views(unit) -> None:
+    """Compute with views into ``unsharded``, made once per iteration (two forwards before
+    one backward then accumulate their gradients in the order DDP does)."""
+    wants = tuple(p.requires_grad for p in unit.params)
+    if unit.views is None or unit.views_for != wants:  # new iteration, or (un)frozen
+        unit.views, unit.views_for = _make_views(unit, wants), wants
+    unit.use(unit.views)
+
+
+def _make_views(unit, wants: tuple[bool, ...]) -> list[torch.Tensor]:
+    if unit.unsharded.requires_grad != any(wants):  # a parameter was (un)frozen
+        unit.unsharded.requires_grad_(any(wants))
+    if any(wants) and unit.post_backward_handle is None:
+        unit.post_backward_handle = unit.unsharded.register_post_accumulate_grad_hook(
+            partial(post_backward, unit))
+    views = []
+    # Even under no_grad or inference_mode (an eval forward, reentrant checkpointing's
+    # first pass) the views must lead to the leaf: a later forward may reuse them.
+    with torch.inference_mode(False), torch.enable_grad():
+        for i, v in enumerate(unit.layout.views(unit.unsharded)):
+            if not wants[i]:
+                v = v.detach()  # frozen: no gradient is computed for it
+            elif v.requires_grad:
+                v.register_hook(partial(unit.grads.mark_used, i))
+            views.append(v)
+    return views
 
 
 class _InputGradients(torch.autograd.Function):
@@ -153,7 +195,7 @@ class _InputGradients(torch.autograd.Function):
         if unit.forward_calls == 1:  # called twice, the other call's backward may be to come
             unit.inputs_done = True
             if unit.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
-                reshard_after_backward(unit)
+                unit.release_after_backward()
         return (None, *grads)
 
 
@@ -163,9 +205,3 @@ def _hook_input_gradients(unit, args, kwargs):
         return args, kwargs  # (data, say): the end of backward frees the unit instead
     hooked = dict(zip(map(id, inputs), _InputGradients.apply(unit, *inputs)))
     return map_tensors(lambda t: hooked.get(id(t), t), (args, kwargs))
-
-
-def reshard_after_backward(unit) -> None:
-    unit.use_sharded_params()
-    if unit.reshard_after_backward:
-        unit.reshard()

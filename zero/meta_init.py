@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zero.shard import units_of
+from zero.core import registry
+from zero.core.registry import units_of
 
 
 def reset_parameters(module: nn.Module) -> None:
@@ -49,7 +50,7 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = res
                            "this one already has values")
     modules = list(model.modules())
     def unit_of(m: nn.Module) -> set:  # the units of m's own parameters (not yet swapped out)
-        return {getattr(p, "_zero_unit", None) for p in m._parameters.values()} - {None}
+        return {registry.unit_of(p) for p in m._parameters.values()} - {None}
 
     last = {u: i for i, m in enumerate(modules) for u in unit_of(m)}  # each unit's last module
     full: dict = {}  # unit -> its temporary full flat buffer, while it is being initialised
@@ -62,7 +63,7 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = res
                 mod._buffers[name] = torch.zeros_like(buf, device=units[0].sharded.device)
         init_fn(mod)
         for u in [u for u in full if last[u] == i]:
-            u.sharded.copy_(full.pop(u)[u.layout.shard(u.rank).offset :][: u.layout.shard_numel])
+            u.sharded.copy_(full.pop(u)[u.local.slot])
             u.use_sharded_params()
             u.shard_changed(phase="init")  # stages 1/2: gather the full parameters
     for u in units:  # units with no parameters of their own

@@ -1,32 +1,10 @@
-"""Mixed precision with FSDP2's semantics (``MixedPrecisionPolicy``).
-
-The optimizer keeps fp32 master weights in the shard. A unit's shard is cast to
-``param_dtype`` *before* its all-gather (half the bytes on the wire), forward and backward
-compute in ``param_dtype``, and the flat gradient is cast to ``reduce_dtype`` *before* the
-reduce-scatter, so the sum over ranks happens in that precision; the reduced shard is then
-stored in the master dtype. Floating-point inputs of every unit's forward are cast to
-``param_dtype``. With mixed-precision Adam this is the ZeRO paper's K = 12 setting: 2 bytes of
-parameters and 2 of gradients per parameter for compute, 12 bytes of fp32 optimizer state.
-"""
+"""A gradient scaler for sharded gradients (fp16 training), like FSDP2's ``ShardedGradScaler``."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from zero import comm
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Args:
-    param_dtype: dtype of the gathered parameters and of the computation (None: as stored).
-    reduce_dtype: dtype of the gradient reduce-scatter (None: ``param_dtype``).
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

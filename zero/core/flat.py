@@ -80,6 +80,10 @@ class FlatLayout:
                 out.append(Piece(i, param_offset=a - start, shard_offset=a - lo, length=b - a))
         return out
 
+    def local(self, rank: int) -> "LocalShard":
+        """What rank ``rank`` holds of this layout: its slot and its pieces."""
+        return LocalShard(self, rank)
+
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Concatenate ``tensors`` (in layout order) into a new zero-padded 1-D buffer."""
         if [t.shape for t in tensors] != self.shapes:
@@ -101,3 +105,23 @@ class FlatLayout:
         pad = self.padded_numel - self.numel
         chunks = flat.split(self.numels + [pad])
         return [c.view(shape) for c, shape in zip(chunks, self.shapes)]
+
+
+class LocalShard:
+    """One rank's share of a layout: its slot of the flat buffer and its piece of each parameter.
+
+    Args:
+        layout: the unit's layout.
+        rank: the rank in the unit's group.
+    """
+
+    def __init__(self, layout: FlatLayout, rank: int):
+        self.layout, self.rank = layout, rank
+        info = layout.shard(rank)
+        self.slot = slice(info.offset, info.offset + info.size)  # in the (N*S,) flat buffer
+        self.pieces = {p.param_index: p for p in layout.pieces(rank)}
+
+    def piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's piece of a shard-sized buffer (empty if this rank holds none of it)."""
+        piece = self.pieces.get(i)
+        return shard[piece.shard_offset :][: piece.length] if piece else shard[:0]

@@ -8,17 +8,12 @@ copy whose parameters no longer view its shards. Each raises, naming the fix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from zero.unit import Unit
-
 
 def _key(t) -> int:
     return t.untyped_storage()._cdata
 
 
-def converted_after_sharding(unit: "Unit") -> None:
+def converted_after_sharding(unit) -> None:
     """``model.half()`` / ``.double()`` / ``.to(device)`` after sharding swaps each piece's
     data for a converted copy that the unit no longer owns: say so before computing."""
     key = _key(unit.sharded)
@@ -35,11 +30,11 @@ def converted_after_sharding(unit: "Unit") -> None:
                 "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
 
 
-def replaced_in_forward(unit: "Unit") -> None:
+def replaced_in_forward(unit) -> None:
     """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
     computed on something other than our parameters: its gradient is lost. Say so."""
-    key = _key(unit._unsharded_data)
-    for v, locs in zip(unit._views or [], unit.locations):
+    key = unit.storage_key()
+    for v, locs in zip(unit.views or [], unit.locations):
         for mod, attr in locs:
             t = mod._parameters.get(attr)
             if t is not v or (t.numel() and _key(t) != key):
@@ -54,8 +49,9 @@ def replaced_in_forward(unit: "Unit") -> None:
                     "mp_policy=None)")
 
 
-def freed_in_backward(unit: "Unit") -> None:
-    """Called by ``zero/guard.py`` when backward reads a tensor saved from the unit's storage."""
+def freed_in_backward(unit) -> None:
+    """Called by ``zero/core/saved_tensors.py`` when backward reads a tensor saved from the
+    unit's storage."""
     if not unit.is_unsharded:
         raise RuntimeError(
             f"backward needs the parameters of unit {unit.name}, but its flat parameter was "
@@ -66,7 +62,7 @@ def freed_in_backward(unit: "Unit") -> None:
     unit.wait_unshard()
 
 
-def deepcopy(unit: "Unit") -> None:
+def deepcopy(unit) -> None:
     raise TypeError(
         f"copy.deepcopy of a model sharded by zero (unit {unit.name}) is not supported: "
         "its parameters are views into shards that a copy would not share. Copy the model "

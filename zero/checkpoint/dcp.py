@@ -6,15 +6,15 @@
 
 What goes to disk is what an FSDP2 user writes with ``dcp.save({"model": msd, "optim": osd})``
 after ``msd, osd = get_state_dict(model, opt)``: one entry per original parameter, by name and
-full shape, each rank holding FSDP2's dim-0 chunk of it (``zero/fsdp2_layout.py``); the optimizer
+full shape, each rank holding FSDP2's dim-0 chunk of it (``zero/checkpoint/fsdp2_layout.py``); the optimizer
 state likewise, and its param groups by parameter name. Nothing in it depends on our flat
 layout, the world size or the stage, so DCP reshards on load by reading whichever bytes
 overlap each rank's chunk, and FSDP2 reads our checkpoints and we read theirs
 (notes/07-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
 
 Writes are atomic: a crash during ``save`` leaves the previous checkpoint loadable
-(``zero/checkpoint_dir.py``). Reads run no code: a checkpoint is data, whoever made it
-(``zero/safe_pickle.py``); and before a byte is read every rank checks the checkpoint and the
+(``zero/checkpoint/directory.py``). Reads run no code: a checkpoint is data, whoever made it
+(``zero/checkpoint/safe_pickle.py``); and before a byte is read every rank checks the checkpoint and the
 ranks agree on the outcome, so a bad one raises on every rank and none hangs.
 """
 
@@ -31,10 +31,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from zero import checkpoint_dir as ckdir
-from zero import checkpoint_read, comm, outside, safe_pickle
-from zero.fsdp2_layout import chunk_of, chunks_to_flat, flat_to_chunks, mesh_of, to_dtensor
-from zero.shard import units_of
+from zero import comm, torch_hooks
+from zero.checkpoint import directory as ckdir
+from zero.checkpoint import reader, safe_pickle
+from zero.checkpoint.fsdp2_layout import (chunk_of, chunks_to_flat, flat_to_chunks, mesh_of,
+                                          to_dtensor)
+from zero.core import registry
+from zero.core.registry import units_of
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
@@ -73,7 +76,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
 def _entries(model: nn.Module) -> dict:
     """The model's state-dict entries as they are (our pieces, buffers), under every name."""
-    with outside.state_dict_access():
+    with torch_hooks.state_dict_access():
         return model.state_dict(keep_vars=True)
 
 
@@ -84,7 +87,8 @@ def _model_state(model: nn.Module, units) -> dict:
         mesh = mesh_of(unit.group, unit.sharded.device)
         for i, t in enumerate(flat_to_chunks(unit, unit.sharded)):
             chunks[unit, i] = to_dtensor(t, unit.layout.shapes[i], mesh)
-    return {name: chunks[t._zero_unit, t._zero_index] if hasattr(t, "_zero_unit") else t.detach()
+    return {name: chunks[registry.unit_of(t), registry.index_of(t)] if registry.is_piece(t)
+            else t.detach()
             for name, t in _entries(model).items()}  # tied: every name, as FSDP2
 
 
@@ -99,7 +103,7 @@ def _optim_state(model: nn.Module, optimizer, units) -> dict:
         for key, holders in _elementwise(unit, optimizer).items():
             shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
             for i in holders:
-                unit._piece(shard, i).copy_(optimizer.state[unit.params[i]][key])
+                unit.piece(shard, i).copy_(optimizer.state[unit.params[i]][key])
             chunks = flat_to_chunks(unit, shard)
             for i in holders:
                 state[names[unit.params[i]]][key] = to_dtensor(chunks[i], unit.layout.shapes[i], mesh)
@@ -161,11 +165,12 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """
     units, names = units_of(model), _first_names(model)
     entries = _entries(model)  # the names to fill: tied ones, buffers too
-    shapes = {k: t._zero_unit.layout.shapes[t._zero_index] if hasattr(t, "_zero_unit") else t.shape
+    shapes = {k: registry.unit_of(t).layout.shapes[registry.index_of(t)] if registry.is_piece(t)
+              else t.shape
               for k, t in entries.items()}
     ckpt, meta, elementwise = _agreed(path, _checked, path, shapes, optimizer is not None)
     template, chunks = _templates(meta, units, names, entries, elementwise, optimizer is not None)
-    checkpoint_read.read(template, ckpt, meta)
+    reader.read(template, ckpt, meta)
 
     with torch.no_grad():
         for unit in units:
@@ -174,7 +179,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             unit.sharded.copy_(shard)
             unit.shard_changed()  # stages 1/2 re-gather their full parameters, stage 3 drops them
         for k, t in entries.items():
-            if not hasattr(t, "_zero_unit"):
+            if not registry.is_piece(t):
                 t.copy_(template["model"][k])  # buffers and unsharded parameters: whole
     if optimizer is not None:
         _load_optim(optimizer, units, names, template["optim"], elementwise)
@@ -232,8 +237,8 @@ def _templates(meta, units, names, entries, elementwise, with_optim: bool):
             for key in elementwise.get(names[p], ()):
                 state[key] = to_dtensor(state[key].new_empty(mine), shape, mesh)
     for k, t in entries.items():
-        if hasattr(t, "_zero_unit"):
-            template["model"][k] = chunks[t._zero_unit][t._zero_index]
+        if registry.is_piece(t):
+            template["model"][k] = chunks[registry.unit_of(t)][registry.index_of(t)]
     return template, chunks
 
 
@@ -260,7 +265,7 @@ def _load_optim(optimizer, units, names, saved: dict, elementwise: dict) -> None
             shard = chunks_to_flat(unit, got)
             for i, p in enumerate(unit.params):
                 if owned[i] and p in index:
-                    state[index[p]][key] = unit._piece(shard, i).clone()
+                    state[index[p]][key] = unit.piece(shard, i).clone()
     groups = []
     for g in optimizer.param_groups:
         mine = [names[p] for p in g["params"]]
@@ -297,7 +302,7 @@ def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     template = ckdir.plain_template(meta, {"model"}, "cpu")
     with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        checkpoint_read.read(template, ckpt, meta, no_dist=True)
+        reader.read(template, ckpt, meta, no_dist=True)
     state = template["model"]
     tmp = f"{out_file}.tmp"
     torch.save(state, tmp)

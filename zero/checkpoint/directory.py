@@ -9,7 +9,7 @@ only after that, so a crash at any moment leaves ``latest`` at a complete checkp
 ``load`` and FSDP2 users read ``ckpt/latest``; any plain DCP directory loads too.
 
 Checks happen before any byte is read or any collective runs: a missing or corrupt
-``.metadata``, one that asks for more than data (``zero/safe_pickle.py``: refused, not run), one
+``.metadata``, one that asks for more than data (``zero/checkpoint/safe_pickle.py``: refused, not run), one
 whose chunks do not tile their tensors or whose records overlap or point outside the directory,
 a data file shorter than ``.metadata`` says (truncated), or keys and shapes that differ from
 the model's (another model). ``load`` then has the ranks agree on the outcome.
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from zero import safe_pickle
+from zero.checkpoint import safe_pickle
 
 
 def next_version(path: str) -> str:

@@ -1,0 +1,20 @@
+"""The collectives layer: the only part of zero that talks to other ranks.
+
+Read bottom-up:
+- ``backend``: the one place ``torch.distributed`` is called (the seam for another backend);
+- ``ledger``: the record of every collective (``zero.Ledger``), and group names;
+- ``agree``: ranks about to take different paths raise instead of hanging;
+- ``collectives``: all-gather, reduce-scatter, all-reduce, broadcast, each agreed (check mode),
+  recorded and launched.
+Nothing here knows about units, stages or modules: the mechanism (``zero/core``) calls down.
+"""
+
+from zero.comm.agree import Disagreement, agree, checking, raising_together
+from zero.comm.backend import default_device, simulated
+from zero.comm.collectives import (all_gather, all_gather_object, all_reduce, broadcast,
+                                   reduce_scatter)
+from zero.comm.ledger import Ledger, Record, group_name, name_group
+
+__all__ = ["Disagreement", "Ledger", "Record", "agree", "all_gather", "all_gather_object",
+           "all_reduce", "broadcast", "checking", "default_device", "group_name", "name_group",
+           "raising_together", "reduce_scatter", "simulated"]

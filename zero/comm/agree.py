@@ -1,0 +1,82 @@
+"""Agreement: ranks about to take different paths raise instead of hanging.
+
+[Note: agreement] A collective pairs with whatever collective the other ranks issue next.
+Ranks that took different paths (one skipped a unit, or backward, or ``opt.step()``)
+therefore wait forever, or worse, exchange the wrong unit's data. ``agree(what)`` makes
+every rank state what it is about to do, in one small all-gather, and raises on every rank,
+naming what each was doing, if they differ. zero agrees at the points that decide what
+follows (the start of each forward, shard, clip, the state-dict and checkpoint helpers);
+with ``ZERO_CHECK=1`` in the environment, before every collective as well, so that no
+divergence goes unnoticed (at the price of one more small collective each). In check mode
+an agreement also gives up after ``ZERO_TIMEOUT`` seconds (default 60): a rank left alone in
+a collective raises instead of hanging until the process group's own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+
+import torch
+
+from zero.comm import backend, ledger
+
+_SEQUENCE: dict = {}  # agreements so far, per group: ranks must count alike
+
+
+def checking() -> bool:
+    """Check mode: agree before every collective (``ZERO_CHECK=1``)."""
+    return os.environ.get("ZERO_CHECK", "0") not in ("", "0")
+
+
+def _fingerprint(what: str) -> int:
+    return int.from_bytes(hashlib.blake2b(what.encode(), digest_size=7).digest(), "big")
+
+
+class Disagreement(RuntimeError):
+    """The ranks were about to do different things (``agree``)."""
+
+
+def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement) -> None:
+    """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
+    if they do not all say the same. ``fix`` ends the message: how to make the ranks agree."""
+    if backend.alone(group) or backend.simulated(group):
+        return
+    key = group if group is not None else backend.world()
+    seq = _SEQUENCE[key] = _SEQUENCE.get(key, 0) + 1
+    n, device = backend.world_size(group), device or backend.default_device(group)
+    mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
+    every = torch.empty(2 * n, dtype=torch.int64, device=device)
+    rec = ledger.record("agree", every, 1.0, group, "", "agree")
+    # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
+    work = backend.all_gather(every, mine, group=group, async_op=True)
+    try:
+        if checking():
+            work.wait(timeout=datetime.timedelta(seconds=float(os.environ.get("ZERO_TIMEOUT", 60))))
+        else:
+            work.wait()
+    except RuntimeError as e:
+        raise error(f"rank {backend.rank(group)} waited in vain for the other ranks to {what}: "
+                    f"they are somewhere else. {fix}".strip()) from e
+    ledger.done(rec)
+    rows = every.view(n, 2)
+    if (rows != rows[0]).any():
+        said = backend.all_gather_object(f"{what} (agreement #{seq})", group=group)
+        detail = "; ".join(f"rank {r} is about to {w}" for r, w in enumerate(said))
+        raise error(f"the ranks took different paths: {detail}. {fix}".strip())
+
+
+@contextlib.contextmanager
+def raising_together(group=None, device=None):
+    """Local checks whose failure on one rank must stop every rank: inside, an exception on
+    some rank is announced as an agreement ("raise ..."); the ranks that passed their checks
+    see it at their next ``agree`` and raise too, instead of entering a collective that rank
+    will never join."""
+    try:
+        yield
+    except Exception as e:
+        with contextlib.suppress(Disagreement):  # the others differ, of course: say ours
+            agree(f"raise {type(e).__name__}: {e}", group=group, device=device)
+        raise

@@ -1,0 +1,102 @@
+"""Every collective the mechanism issues: agreed (check mode), recorded, launched.
+
+Each wrapper is the collective of the same name in ``torch.distributed`` (reached through
+``zero/comm/backend.py``), plus two things: it notes the collective in every active ledger
+(``zero/comm/ledger.py``), and in check mode it first has the ranks agree on it
+(``zero/comm/agree.py``). Every wrapper takes ``async_op``: with ``True`` it returns a handle
+whose ``wait()`` must be called before the output is read, as with ``torch.distributed``.
+
+A group of one rank has nobody to talk to: there the wrappers do the local equivalent (a
+copy, or nothing) and record nothing, so world size 1 issues no collective, as FSDP2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zero.comm import backend, ledger
+from zero.comm.agree import agree, checking
+
+
+class Handle:
+    """A collective's handle that notes, in its record, when ``wait()`` returned (on NCCL that
+    is when the current stream was told to wait, not when the bytes arrived)."""
+
+    def __init__(self, work, record: ledger.Record):
+        self.work, self.record = work, record
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        ledger.done(self.record)
+        return out
+
+
+class Done:
+    """The handle of a collective that had nothing to do: a group of one rank."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+
+def _done(async_op: bool):
+    return Done() if async_op else None
+
+
+def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_op: bool,
+           launch):
+    """Agree (check mode), record, launch; a handle that times its wait."""
+    if checking():
+        agree(f"{op} {unit or '(no unit)'} in {phase} ({buffer.numel()} x {buffer.dtype})",
+              group=group, device=buffer.device,
+              fix="Every rank must run the same units in the same order: the same forward "
+                  "calls, the same no_sync micro-batches, backward and opt.step() on all ranks")
+    rec = ledger.record(op, buffer, factor, group, unit, phase)
+    work = launch()
+    if rec is not None and not async_op:
+        ledger.done(rec)
+    return Handle(work, rec) if rec is not None and async_op else work
+
+
+def all_gather(output, input, *, group=None, unit="", phase="other", async_op=False):
+    """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at [r * shard, ...).
+
+    ``input`` may be rank r's slice of ``output`` (an in-place all-gather).
+    """
+    if backend.alone(group):  # the shard is the whole
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _done(async_op)
+    return _issue("all_gather", output, 1.0, group, unit, phase, async_op,
+                  lambda: backend.all_gather(output, input, group, async_op))
+
+
+def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other", async_op=False):
+    """(N * shard,) on every rank -> (shard,): rank r gets slice r of the sum (or mean) over ranks."""
+    if backend.alone(group):  # the sum (or mean) of one
+        output.copy_(input)
+        return _done(async_op)
+    return _issue("reduce_scatter", input, 1.0, group, unit, phase, async_op,
+                  lambda: backend.reduce_scatter(output, input, op, group, async_op))
+
+
+def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op=False):
+    """Any shape -> the same shape, reduced over ranks (``op`` in "sum", "avg", "max"), in place."""
+    if backend.alone(group):
+        return _done(async_op)
+    return _issue("all_reduce", tensor, 2.0, group, unit, phase, async_op,
+                  lambda: backend.all_reduce(tensor, op, group, async_op))
+
+
+def broadcast(tensor, *, src: int = 0, group=None, unit="", phase="other", async_op=False):
+    """Any shape -> the same shape on every rank: rank ``src``'s values, in place."""
+    if backend.alone(group):
+        return _done(async_op)
+    return _issue("broadcast", tensor, 1.0, group, unit, phase, async_op,
+                  lambda: backend.broadcast(tensor, src, group, async_op))
+
+
+def all_gather_object(obj: Any, *, group=None) -> list[Any]:
+    """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""
+    if backend.alone(group):
+        return [obj]
+    return backend.all_gather_object(obj, group)

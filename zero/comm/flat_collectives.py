@@ -1,0 +1,48 @@
+"""How a unit's flat buffers cross the ranks: the seam a quantized collective replaces.
+
+The mechanism moves exactly two things per unit, and asks this object to move them:
+
+    all_gather      this rank's shard (master dtype)  -> the full flat parameters (compute dtype)
+    reduce_scatter  the full flat gradient (reduce dtype) -> this rank's slot of the mean
+
+``FlatCollectives`` is zero's own answer, and what every benchmark and test runs: cast the
+shard into its slot of the full buffer and all-gather in place; reduce-scatter the gradient in
+place into its own slot. Another answer (ZeRO++'s int8 weight gather, a 4-bit gradient
+reduction) is an object with the same two methods, in a file of its own, given to
+``zero.shard``: it may send other dtypes and other shapes, as long as ``wait()`` on the handle
+it returns leaves the same tensors filled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.comm import collectives
+
+
+class FlatCollectives:
+    """Cast, then all-gather in place; reduce-scatter in place."""
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
+                   in_place: bool, group, unit: str, phase: str):
+        """Start filling ``full`` (N*S,) from every rank's ``shard`` (S,); ``full[slot]`` is
+        this rank's place, and ``in_place`` says that ``shard`` *is* that slot (stages 1/2
+        without a cast). Returns a handle: ``full`` is readable after its ``wait()``."""
+        mine = full[slot]
+        if not in_place:
+            mine.copy_(shard)  # cast the fp32 shard to the compute dtype once, before sending
+        # (N*S,) <- (S,) per rank; in place: our slot of the output is the input
+        return collectives.all_gather(full, mine, group=group, unit=unit, phase=phase,
+                                      async_op=True)
+
+    def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
+                       phase: str):
+        """Start reducing ``grad`` (N*S,) over the ranks into ``grad[slot]`` (S,). Returns a
+        handle: ``grad[slot]`` holds this rank's slice of the sum (or mean) after ``wait()``."""
+        # In place: our slice of the mean lands in our own slot of the full gradient, so while
+        # the collective runs the unit holds one buffer, not the full gradient and a shard.
+        return collectives.reduce_scatter(grad[slot], grad, op=op, group=group, unit=unit,
+                                          phase=phase, async_op=True)
+
+
+DEFAULT = FlatCollectives()

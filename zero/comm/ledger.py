@@ -1,0 +1,122 @@
+"""The ledger: every collective zero issues, as this rank saw it.
+
+A record says what moved, for which unit and in which phase of the step::
+
+    with zero.Ledger() as ledger:
+        loss = model(x).sum(); loss.backward(); opt.step()
+    ledger.sent_bytes()                      # bytes this rank sent in that step
+    ledger.sent_bytes(op="all_gather", phase="forward")
+
+Bytes sent follow the standard ring accounting (each rank sends (N-1)/N of the full buffer
+for an all-gather or a reduce-scatter, twice that for an all-reduce), which is how the ZeRO
+paper counts Ψ and 2Ψ (section 7).
+
+The ledger is also the public way to watch the mechanism from outside: ``Ledger(on_record=fn)``
+calls ``fn(record)`` as each record is made (before the collective is launched), and a
+record's ``done`` is filled in when this rank's ``wait()`` for it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from zero.comm import backend
+
+
+@dataclass
+class Record:
+    """One collective as seen by this rank."""
+
+    op: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast" or "agree"
+    dtype: torch.dtype
+    buffer_bytes: int  # size of the full (unsharded) buffer
+    sent_bytes: int  # what this rank sends under ring accounting
+    unit: str
+    phase: str  # "init", "forward", "backward", "step", "agree" or "other"
+    time: float  # time.perf_counter() when it was issued (a timeline of one step)
+    group: str = "world"  # which group it crossed (``name_group``): "intra-node"...
+    ranks: int = 1  # how many ranks that group has
+    done: float | None = None  # when this rank's wait() for it returned (None: not yet)
+
+
+class Ledger:
+    """Records the collectives issued while it is active (``with Ledger() as ledger:``).
+
+    Ledgers nest; every active ledger receives every record.
+
+    Args:
+        on_record: called with each record as it is made (an observer: a trace, a timeline).
+    """
+
+    def __init__(self, on_record: Callable[[Record], None] | None = None) -> None:
+        self.records: list[Record] = []
+        self.on_record = on_record
+
+    def __enter__(self) -> "Ledger":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def select(self, op: str | None = None, phase: str | None = None, unit: str | None = None,
+               group: str | None = None):
+        return [
+            r
+            for r in self.records
+            if (op is None or r.op == op)
+            and (phase is None or r.phase == phase)
+            and (unit is None or r.unit == unit)
+            and (group is None or r.group == group)
+        ]
+
+    def sent_bytes(self, op: str | None = None, phase: str | None = None,
+                   group: str | None = None) -> int:
+        return sum(r.sent_bytes for r in self.select(op, phase, group=group))
+
+    def count(self, op: str | None = None, phase: str | None = None) -> int:
+        return len(self.select(op, phase))
+
+
+_ACTIVE: list[Ledger] = []
+_GROUP_NAMES: dict[Any, str] = {}
+
+
+def name_group(group, name: str) -> None:
+    """Give ``group`` a name for the ledger (HSDP's "shard" and "replicate" groups)."""
+    _GROUP_NAMES[backend.world() if group is None else group] = name
+
+
+def group_name(group) -> str:
+    group = backend.world() if group is None else group
+    default = "world" if group is backend.world() else f"{backend.world_size(group)} ranks"
+    return _GROUP_NAMES.get(group, default)
+
+
+def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str,
+           phase: str) -> Record | None:
+    """Note a collective about to be launched in every active ledger (None if there is none)."""
+    if not _ACTIVE:
+        return None
+    n = backend.world_size(group)
+    nbytes = buffer.numel() * buffer.element_size()
+    rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
+                 time.perf_counter(), group_name(group), n)
+    for ledger in _ACTIVE:
+        ledger.records.append(rec)
+        if ledger.on_record is not None:
+            ledger.on_record(rec)
+    return rec
+
+
+def done(rec: Record | None) -> None:
+    """This rank's wait for ``rec``'s collective returned (the first time only)."""
+    if rec is not None and rec.done is None:
+        rec.done = time.perf_counter()

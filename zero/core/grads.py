@@ -1,0 +1,198 @@
+"""The gradient half of a unit: accumulate, reduce-scatter, hand each parameter its piece.
+
+A unit's gradient takes one road (``Unit`` in ``zero/core/unit.py`` is the parameter half, and
+holds one ``Gradient`` as ``unit.grads``):
+
+    autograd -> unsharded.grad (N*S,)     the full flat gradient, complete at post-backward
+             -> [no_sync: kept, summed over micro-batches in reduce_dtype]
+             -> reduce-scatter (avg)       (N*S,) on every rank -> (S,): our slice of the mean,
+                                           in place, into our own slot of the full gradient
+             -> p.grad for each parameter  a 1-D view of our piece of the reduced shard
+
+When each reduce-scatter starts is the schedule's business (``zero/core/schedule.py``): stage
+1, which keeps the full gradient anyway, lets them all fly at once; stages 2/3 keep one in
+flight (stage 1 in mixed precision waits for the end of backward). The end of backward
+(``Root.finish_backward``) hands the shards out, for every unit that synchronised. Under
+``no_sync`` a unit keeps its full gradient instead: autograd adds the next micro-batch into
+it, or, when the compute dtype is not ``reduce_dtype`` (bf16 compute, fp32 reduction), we add
+it into an fp32 buffer ourselves, as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from zero.comm import backend, collectives
+from zero.core.flat import LocalShard
+
+
+def divide_factors(dtype: torch.dtype, n: int) -> tuple[float | None, float | None]:
+    """How the mean over n ranks is taken. fp32/bf16: the collective's own average (None).
+    Other dtypes (fp16) could overflow in the sum: FSDP2 divides by a power of two near
+    sqrt(n) before summing and by the rest after; so do we, to match it bit for bit."""
+    if dtype in (torch.float32, torch.bfloat16) or n == 1:
+        return None, None
+    pre = 1
+    while n % pre == 0 and n / pre > pre:
+        pre *= 2
+    return pre, n / pre
+
+
+class Reduction(NamedTuple):
+    """A reduce-scatter in flight, and what ending it needs."""
+
+    work: Any  # its handle
+    grad: torch.Tensor  # the full flat gradient in reduce_dtype; the shard lands in its slot
+    post: float | None  # the part of the mean's division left for after the sum (fp16)
+    keep: bool  # stage 1: the full gradient is kept, the shard stays a view of its slot
+
+
+class Gradient:
+    """One unit's gradient, from autograd's full flat ``.grad`` to the parameters' ``.grad``.
+
+    Args:
+        leaf: the unit's full flat parameter, where autograd accumulates the gradient.
+        params: the unit's sharded parameters (their ``.grad`` is handed out here).
+        local: this rank's slot and pieces of the unit's layout.
+        master: the unit's shard (its dtype and device are the parameters' ``.grad``'s).
+        reduce_dtype: the dtype of the reduce-scatter (``MixedPrecision.reduce_dtype``).
+        keeps_full: stage 1: the full gradient is kept until the step (``Stage``).
+        group: the ranks that shard the unit; replicate_group: HSDP's replicas, or None.
+        comm: how the full gradient is reduce-scattered (``zero/comm/flat_collectives.py``).
+        name: the unit's name, for the ledger.
+    """
+
+    def __init__(self, leaf: torch.Tensor, params: list, local: LocalShard, master: torch.Tensor,
+                 reduce_dtype, keeps_full: bool, group, replicate_group, comm, name: str):
+        self.leaf, self.params, self.local, self.master = leaf, params, local, master
+        self.reduce_dtype, self.keeps_full = reduce_dtype, keeps_full
+        self.group, self.replicate_group, self.comm, self.name = group, replicate_group, comm, name
+        self.replicas = 1 if replicate_group is None else backend.world_size(replicate_group)
+        self.world_size = backend.world_size(group)
+        self.unsynced: torch.Tensor | None = None  # no_sync micro-batches, in reduce_dtype
+        self.reduction: Reduction | None = None  # a reduce-scatter in flight
+        self.reduced: torch.Tensor | None = None  # the reduced shard, not yet handed out
+        self.used = [False] * len(params)  # which parameters got a gradient since the hand-out
+        self._zero_markers: dict = {}  # param index -> the zero .grad a no_sync backward left
+        self._seen_grads: list = []  # (param, its .grad, version) when it left them
+
+    def has_unsynced(self) -> bool:
+        return self.leaf.grad is not None or self.unsynced is not None
+
+    def mark_used(self, i: int, grad: torch.Tensor) -> None:
+        """A tensor hook on parameter i's view: it got a gradient in this backward."""
+        self.used[i] = True
+
+    def keep_unsynced(self) -> None:
+        """no_sync: keep this micro-batch's gradient for the next reduction."""
+        grad = self.leaf.grad
+        if grad is None or grad.dtype == self.reduce_dtype:
+            return  # autograd adds the next micro-batch into the leaf's .grad itself
+        self.leaf.grad = None
+        if self.unsynced is None:
+            self.unsynced = grad.to(self.reduce_dtype)
+        else:
+            self.unsynced += grad
+
+    def start_reduce(self) -> None:
+        """Start reducing: (N*S,) full flat gradient -> (S,) this rank's shard of the mean.
+
+        Asynchronous: backward goes on while it runs; ``wait_reduce`` ends it.
+        """
+        if self.reduction is not None:
+            # A second part of this backward's gradient (the unit ran twice, each call under
+            # reentrant checkpointing: each recompute runs a backward of its own). Its mean is
+            # added to the first part's, as FSDP2 adds each reduction into the sharded .grad.
+            self.wait_reduce()
+        grad, self.leaf.grad = self.leaf.grad, None  # the unit lets go of it
+        if self.unsynced is not None:  # earlier micro-batches, in reduce_dtype
+            if grad is not None:
+                self.unsynced += grad
+            grad, self.unsynced = self.unsynced, None
+        if grad is None:
+            return
+        kept = self.keeps_full and grad.dtype == self.reduce_dtype
+        grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
+        pre, post = divide_factors(grad.dtype, self.world_size * self.replicas)
+        if pre is not None:
+            grad.div_(pre)  # fp16: half of the mean's division before the sum, half after
+        work = self.comm.reduce_scatter(grad, self.local.slot, op="avg" if pre is None else "sum",
+                                        group=self.group, unit=self.name, phase="backward")
+        # Stage 1 keeps every full gradient until the step anyway (gradients: Ψ, as in DDP);
+        # stages 2/3 copy the slot out when it arrives and free the rest (not an upcast copy:
+        # keeping it for one slot would cost the whole copy).
+        self.reduction = Reduction(work, grad, post, kept)
+
+    def wait_reduce(self) -> None:
+        if self.reduction is None:
+            return
+        work, grad, post, keep = self.reduction
+        work.wait()
+        self.reduction = None
+        slot = self.local.slot
+        shard = grad[slot] if keep else grad[slot].clone()  # frees the full one
+        if self.replicate_group is not None:
+            # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
+            collectives.all_reduce(shard, op="avg" if post is None else "sum",
+                                   group=self.replicate_group, unit=self.name, phase="backward")
+        if post is not None and post != 1:
+            shard.div_(post)
+        if self.reduced is None:
+            self.reduced = shard  # assign hands it out at the end of backward
+        else:
+            self.reduced += shard  # the part before it (see start_reduce)
+
+    def assign(self, used: list[bool]) -> None:
+        """Give each used parameter its piece of the reduced gradient (accumulating)."""
+        self._unmark()
+        shard, self.reduced = self.reduced, None
+        self.used = [False] * len(self.params)
+        if shard is None:
+            return
+        shard = shard.to(self.master.dtype)
+        for i, p in enumerate(self.params):
+            if not used[i]:
+                continue  # unused everywhere: grad stays None, as in DDP
+            g = self.local.piece(shard, i)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+
+    # [Note: zero_grad under no_sync] DDP keeps a no_sync micro-batch's gradient in p.grad,
+    # so opt.zero_grad() discards it. Ours waits in the unit's full flat gradient, which no
+    # optimizer sees. So after such a backward every parameter without a gradient gets a zero
+    # marker as its .grad (nothing is reduced yet), and the next forward discards the unsynced
+    # gradient if zero_grad() (or anyone) replaced or zeroed any .grad since.
+
+    def mark_unsynced(self) -> None:
+        if not self.has_unsynced():
+            return
+        zeros = torch.zeros_like(self.master)
+        for i, p in enumerate(self.params):
+            if p.requires_grad and p.grad is None:
+                p.grad = self.local.piece(zeros, i)
+                self._zero_markers[i] = p.grad
+        self._seen_grads = [(p, p.grad, p.grad._version) for p in self.params
+                            if p.grad is not None]
+
+    def discard_if_zeroed(self) -> None:
+        if any(p.grad is not g or g._version != v for p, g, v in self._seen_grads):
+            self.discard()
+
+    def _unmark(self) -> None:
+        for i, marker in self._zero_markers.items():
+            if self.params[i].grad is marker:
+                self.params[i].grad = None  # a marker is not a gradient
+        self._zero_markers, self._seen_grads = {}, []
+
+    def discard(self) -> None:
+        """Forget every gradient not yet handed out (a failed iteration)."""
+        if self.reduction is not None:
+            self.reduction.work.wait()  # every rank issued it: let it finish everywhere
+        self.leaf.grad = None
+        self.unsynced = self.reduction = self.reduced = None
+        self.used = [False] * len(self.params)
+        self._unmark()

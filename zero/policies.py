@@ -1,0 +1,35 @@
+"""The policies ``zero.shard`` takes: each one decision about the mechanism, in one object.
+
+The mechanism (``zero/core``) reads a policy; it never branches on where it came from. Today:
+
+- ``MixedPrecision``: the dtypes of computation and of the gradient reduction (below);
+- a communication policy: how a unit's flat buffers cross the ranks (``Unit(comm=...)``;
+  ``zero/comm/flat_collectives.py`` is the default and the interface to imitate).
+
+Mixed precision with FSDP2's semantics (``MixedPrecisionPolicy``).
+
+The optimizer keeps fp32 master weights in the shard. A unit's shard is cast to
+``param_dtype`` *before* its all-gather (half the bytes on the wire), forward and backward
+compute in ``param_dtype``, and the flat gradient is cast to ``reduce_dtype`` *before* the
+reduce-scatter, so the sum over ranks happens in that precision; the reduced shard is then
+stored in the master dtype. Floating-point inputs of every unit's forward are cast to
+``param_dtype``. With mixed-precision Adam this is the ZeRO paper's K = 12 setting: 2 bytes of
+parameters and 2 of gradients per parameter for compute, 12 bytes of fp32 optimizer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Args:
+    param_dtype: dtype of the gathered parameters and of the computation (None: as stored).
+    reduce_dtype: dtype of the gradient reduce-scatter (None: ``param_dtype``).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
