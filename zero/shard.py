@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero import comm, torch_hooks
+from zero.comm.flat_collectives import FlatCollectives
 from zero.core import hooks, registry
 from zero.core.registry import piece_of, unit_of, units_of, units_on
 from zero.core.stage import STAGES
@@ -42,6 +43,7 @@ def shard(
     ignored_params: set[nn.Parameter] | None = None,
     mesh=None,
     secondary_group=None,
+    comm_policy=None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -75,6 +77,9 @@ def shard(
             forward each rank keeps its slice of the unit's parameters over the node (a
             secondary shard, P / ranks-per-node), and backward gathers them within the node
             only; the gradient is still reduced over ``group``.
+        comm_policy: how the unit's flat buffers cross the ranks: an object with
+            ``all_gather`` and ``reduce_scatter`` as ``zero/comm/flat_collectives.py``'s
+            ``FlatCollectives`` (None: that one, cast then in place).
 
     Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
     trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
@@ -106,6 +111,8 @@ def shard(
             broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
                                       if id(p) in ignored)]
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
+    if comm_policy is not None:
+        desc.append(type(comm_policy).__name__)
     comm.agree(f"shard {desc}", group=all_group, error=ValueError,
                fix=f"Ranks shard different modules: build {agreed}")
 
@@ -114,9 +121,10 @@ def shard(
     groups = [[i for i, p in enumerate(params) if p.requires_grad == trainable]
               for trainable in (True, False)]
     groups = [g for g in groups if g] or [[]]
+    comm_policy = comm_policy or FlatCollectives()
     units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
                   group, mp_policy, reshard_after_forward, device, replicate_group,
-                  secondary_group, all_group) for g in groups]
+                  secondary_group, all_group, comm_policy) for g in groups]
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
     for sibling in units[1:]:

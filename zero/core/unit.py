@@ -75,11 +75,13 @@ class Unit:
         replicate_group, secondary_group, all_group: HSDP's replicas, hpZ's node, and the
             group of every rank training (notes/14).
         comm: how the unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``).
+        layout: which rank holds which element: a class like ``FlatLayout``
+            (``zero/core/flat.py``), made from the parameters' shapes and the world size.
     """
 
     def __init__(self, modules, params, locations, stage, group, mp_policy, reshard_after_forward,
                  device, replicate_group=None, secondary_group=None, all_group=None,
-                 comm=DEFAULT_COLLECTIVES):
+                 comm=DEFAULT_COLLECTIVES, layout=FlatLayout):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.module = modules[0]
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
@@ -90,7 +92,7 @@ class Unit:
         self.all_group = all_group if all_group is not None else group  # every rank training
         self.comm = comm
         self.locations = locations  # per parameter: the (module, attribute) pairs that use it
-        self.layout = FlatLayout([p.shape for p in params], self.world_size)
+        self.layout = layout([p.shape for p in params], self.world_size)
         self.local = self.layout.local(self.rank)  # our slot and pieces
         dtype = params[0].dtype if params else torch.float32
         self.param_dtype = (mp_policy and mp_policy.param_dtype) or dtype
