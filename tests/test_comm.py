@@ -108,3 +108,61 @@ def test_records_know_when_the_wait_returned_and_which_group_they_crossed():
     pending, records = run_ranks(_timed, 2)[0]
     assert pending is None  # issued, not yet waited for
     assert records == [(True, "world"), (True, "world"), (True, "everyone")]
+
+
+# ---- every wait is bounded (zero/comm/waits.py) ------------------------------------------------
+
+def _alone_in(rank, n, op):
+    """Rank 0 issues ``op``; rank 1 never does. Rank 0 must raise within ZERO_TIMEOUT."""
+    import os
+    import time
+
+    os.environ["ZERO_CHECK"], os.environ["ZERO_TIMEOUT"] = "0", "2"
+    if rank == 1:
+        time.sleep(4)  # elsewhere, long enough for rank 0 to give up
+        return None
+    x = torch.ones(4)
+    calls = {
+        "all_gather": lambda: comm.all_gather(torch.empty(8), x, unit="u", phase="forward"),
+        "reduce_scatter": lambda: comm.reduce_scatter(torch.empty(2), x, unit="u",
+                                                      phase="backward", async_op=True).wait(),
+        "all_reduce": lambda: comm.all_reduce(x, unit="u", phase="step"),
+        "broadcast": lambda: comm.broadcast(x, unit="u", phase="forward"),
+        "agree": lambda: comm.agree("do something"),
+        "all_gather_object": lambda: comm.all_gather_object({"a": 1}),
+    }
+    start = time.monotonic()
+    try:
+        calls[op]()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, "returned", time.monotonic() - start
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "broadcast", "agree",
+                                "all_gather_object"])
+def test_a_rank_alone_in_a_collective_raises_within_zero_timeout(op):
+    kind, message, seconds = run_ranks(_alone_in, 2, op, timeout=30)[0]
+    assert issubclass(getattr(comm, kind), comm.CollectiveTimeout), (kind, message)
+    assert "waited 2 s for collective #" in message and "ZERO_TIMEOUT" in message, message
+    assert 2 <= seconds < 4, seconds
+
+
+def _raw_reduce_scatter_wait(rank, n):
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(2)  # joins late
+    start = time.monotonic()
+    work = dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4), async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=0.5))  # ignored by gloo: returns when done
+    return time.monotonic() - start
+
+
+def test_gloo_reduce_scatter_still_ignores_the_wait_timeout():
+    """Why waits.py waits for gloo's reduce-scatter on a helper thread: its own wait(timeout)
+    returns only when the collective completes. If this fails, torch fixed it: drop _IGNORED."""
+    assert run_ranks(_raw_reduce_scatter_wait, 2, timeout=30)[0] > 1.5

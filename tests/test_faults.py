@@ -3,7 +3,8 @@
 Every case runs in fresh ranks with a timeout and ends one of two ways: it works as a user of
 DDP or FSDP2 expects (compared with a reference), or every rank raises, within 10 s, an
 error that names the fix. None may hang or quietly diverge. The tests run in check mode
-(tests/conftest.py): every collective is preceded by an agreement (zero/comm/collectives.py).
+(tests/conftest.py): every collective is preceded by an agreement (zero/comm/agree.py); the
+default mode, where every wait is bounded instead (zero/comm/waits.py), has cases of its own.
 """
 
 import copy
@@ -194,6 +195,74 @@ def test_every_rank_raises_an_error_naming_the_fix(name, tmp_path):
         assert kind is not None, f"rank {rank}: {message}"
         assert ERRORS[name][1] in message or DIVERGE in message, f"rank {rank}: {message}"
         assert seconds < 10, f"rank {rank} raised after {seconds:.1f} s"
+
+
+# ---- default mode: every wait is bounded --------------------------------------------------------
+# Users run without ZERO_CHECK. There a rank left alone in a collective must still raise, on its
+# own, within ZERO_TIMEOUT (zero/comm/waits.py), naming what it waited for, instead of waiting
+# for the process group's timeout (30 minutes by default; run_ranks sets it to the test's 30 s).
+
+BOUND = 4  # ZERO_TIMEOUT for these cases, seconds
+
+
+def _eval_on_rank0_only(rank, stage):
+    model, opt = _model(stage)
+    _step(model, opt, rank, 0)
+    if rank == 0:  # DDP's habit: evaluate on rank 0 alone
+        with torch.no_grad():
+            _step(model, opt, rank, 1, backward=False, step=False)
+    _step(model, opt, rank, 2)
+
+
+def _caught_step_failure(rank):
+    model, opt = _model(1)
+    _step(model, opt, rank, 0)
+    try:
+        if rank == 1:
+            raise ZeroDivisionError("the optimizer failed on this rank")  # e.g. an empty piece
+        _step(model, opt, rank, 1)
+    except ZeroDivisionError:
+        time.sleep(BOUND + 3)  # a harness that logs and goes on with something else
+        return None
+    return None
+
+
+TIMEOUT = "the other ranks never joined it"
+DEFAULT_MODE = {
+    "stage 3: a rank skips a unit": (lambda r: _unit_runs(r, (1, 0)), TIMEOUT, (0, 1)),
+    "stage 3: a rank runs a unit twice": (lambda r: _unit_runs(r, (1, 2)), TIMEOUT, (0, 1)),
+    **{f"stage {s}: backward on one rank only": (lambda r, s=s: _backward_on_one_rank(r, s),
+                                                 TIMEOUT, (0, 1)) for s in (1, 2)},
+    **{f"stage {s}: an evaluation forward on rank 0 only": (
+        lambda r, s=s: _eval_on_rank0_only(r, s), "run it on every rank", (0, 1)) for s in (1, 2)},
+    "stage 1: an optimizer raises on one rank, which goes on": (_caught_step_failure, TIMEOUT, (0,)),
+}
+
+
+def _default_mode_case(rank, n, name):
+    os.environ["ZERO_CHECK"], os.environ["ZERO_TIMEOUT"] = "0", str(BOUND)  # this rank only
+    start = time.monotonic()
+    try:
+        DEFAULT_MODE[name][0](rank)
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, "nothing raised", time.monotonic() - start
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", list(DEFAULT_MODE))
+def test_default_mode_every_waiting_rank_raises_within_the_bound(name):
+    results = run_ranks(_default_mode_case, 2, name, timeout=30)
+    _, expected, waiting = DEFAULT_MODE[name]
+    for rank in waiting:
+        kind, message, seconds = results[rank]
+        assert kind in ("CollectiveTimeout", "AgreementTimeout", "Disagreement"), (
+            f"rank {rank}: {kind}: {message}")
+        assert expected in message, f"rank {rank}: {message}"
+        if expected == TIMEOUT:  # it says what it waited for, and what usually causes it
+            assert "collective #" in message and "ZERO_TIMEOUT" in message, message
+            assert "a rank skipped a forward, a backward or an opt.step()" in message, message
+        assert seconds < BOUND + 4, f"rank {rank} raised after {seconds:.1f} s"
 
 
 # ---- cases that must work as the references do -------------------------------------------------

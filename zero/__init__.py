@@ -21,7 +21,7 @@ one layer a folder; no file imports one above it:
 
 from zero.checkpoint import load, save
 from zero.clip import clip_grad_norm_
-from zero.comm import Ledger
+from zero.comm import CollectiveTimeout, Disagreement, Ledger
 from zero.controls import (
     reshard,
     set_modules_to_backward_prefetch,
@@ -38,6 +38,8 @@ from zero.shard import no_sync, piece_of, shard, unit_of, units_of, units_on
 from zero.state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
+    "CollectiveTimeout",
+    "Disagreement",
     "Ledger",
     "MixedPrecision",
     "ShardedGradScaler",

@@ -3,18 +3,22 @@
 Read bottom-up:
 - ``backend``: the one place ``torch.distributed`` is called (the seam for another backend);
 - ``ledger``: the record of every collective (``zero.Ledger``), and group names;
+- ``waits``: every wait bounded by ``ZERO_TIMEOUT``, a named error on expiry;
 - ``agree``: ranks about to take different paths raise instead of hanging;
 - ``collectives``: all-gather, reduce-scatter, all-reduce, broadcast, each agreed (check mode),
-  recorded and launched.
+  recorded and launched; ``objects`` (small Python objects between ranks) and
+  ``flat_collectives`` (how a unit's flat buffers cross the ranks).
 Nothing here knows about units, stages or modules: the mechanism (``zero/core``) calls down.
 """
 
-from zero.comm.agree import Disagreement, agree, checking, raising_together
+from zero.comm.agree import AgreementTimeout, Disagreement, agree, checking, raising_together
 from zero.comm.backend import default_device, simulated
 from zero.comm.collectives import (all_gather, all_gather_object, all_reduce, broadcast,
                                    reduce_scatter)
 from zero.comm.ledger import Ledger, Record, group_name, name_group
+from zero.comm.waits import CollectiveTimeout
 
-__all__ = ["Disagreement", "Ledger", "Record", "agree", "all_gather", "all_gather_object",
-           "all_reduce", "broadcast", "checking", "default_device", "group_name", "name_group",
-           "raising_together", "reduce_scatter", "simulated"]
+__all__ = ["AgreementTimeout", "CollectiveTimeout", "Disagreement", "Ledger", "Record", "agree",
+           "all_gather", "all_gather_object", "all_reduce", "broadcast", "checking",
+           "default_device", "group_name", "name_group", "raising_together", "reduce_scatter",
+           "simulated"]

@@ -7,21 +7,20 @@ every rank state what it is about to do, in one small all-gather, and raises on 
 naming what each was doing, if they differ. zero agrees at the points that decide what
 follows (the start of each forward, shard, clip, the state-dict and checkpoint helpers);
 with ``ZERO_CHECK=1`` in the environment, before every collective as well, so that no
-divergence goes unnoticed (at the price of one more small collective each). In check mode
-an agreement also gives up after ``ZERO_TIMEOUT`` seconds (default 60): a rank left alone in
-a collective raises instead of hanging until the process group's own timeout.
+divergence goes unnoticed (at the price of one more small collective each). An agreement
+that the other ranks never join gives up after ``ZERO_TIMEOUT`` seconds, like every wait
+(``zero/comm/waits.py``), and raises ``error`` with what this rank was waiting for.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import os
 
 import torch
 
-from zero.comm import backend, ledger
+from zero.comm import backend, ledger, objects, waits
 
 _SEQUENCE: dict = {}  # agreements so far, per group: ranks must count alike
 
@@ -39,6 +38,10 @@ class Disagreement(RuntimeError):
     """The ranks were about to do different things (``agree``)."""
 
 
+class AgreementTimeout(Disagreement, waits.CollectiveTimeout):
+    """The other ranks never came to an agreement: both a disagreement and a timeout."""
+
+
 def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement) -> None:
     """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
     if they do not all say the same. ``fix`` ends the message: how to make the ranks agree."""
@@ -49,21 +52,19 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
     n, device = backend.world_size(group), device or backend.default_device(group)
     mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
     every = torch.empty(2 * n, dtype=torch.int64, device=device)
+    name = waits.issued(f"agreement #{seq}: {what}", group)
     rec = ledger.record("agree", every, 1.0, group, "", "agree")
     # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
     work = backend.all_gather(every, mine, group=group, async_op=True)
     try:
-        if checking():
-            work.wait(timeout=datetime.timedelta(seconds=float(os.environ.get("ZERO_TIMEOUT", 60))))
-        else:
-            work.wait()
-    except RuntimeError as e:
-        raise error(f"rank {backend.rank(group)} waited in vain for the other ranks to {what}: "
-                    f"they are somewhere else. {fix}".strip()) from e
+        waits.wait(work, name, group, always=True)  # bounded on every backend: read at once
+    except waits.CollectiveTimeout as e:
+        kind = AgreementTimeout if error is Disagreement else error
+        raise kind(f"{e}. {fix}".strip()) from e
     ledger.done(rec)
     rows = every.view(n, 2)
     if (rows != rows[0]).any():
-        said = backend.all_gather_object(f"{what} (agreement #{seq})", group=group)
+        said = objects.all_gather_object(f"{what} (agreement #{seq})", group)
         detail = "; ".join(f"rank {r} is about to {w}" for r, w in enumerate(said))
         raise error(f"the ranks took different paths: {detail}. {fix}".strip())
 

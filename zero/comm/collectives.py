@@ -1,10 +1,11 @@
 """Every collective the mechanism issues: agreed (check mode), recorded, launched.
 
 Each wrapper is the collective of the same name in ``torch.distributed`` (reached through
-``zero/comm/backend.py``), plus two things: it notes the collective in every active ledger
-(``zero/comm/ledger.py``), and in check mode it first has the ranks agree on it
-(``zero/comm/agree.py``). Every wrapper takes ``async_op``: with ``True`` it returns a handle
-whose ``wait()`` must be called before the output is read, as with ``torch.distributed``.
+``zero/comm/backend.py``), plus three things: it notes the collective in every active ledger
+(``zero/comm/ledger.py``), in check mode it first has the ranks agree on it
+(``zero/comm/agree.py``), and its wait is bounded (``zero/comm/waits.py``). Every wrapper takes
+``async_op``: with ``True`` it returns a handle whose ``wait()`` must be called before the
+output is read, as with ``torch.distributed``.
 
 A group of one rank has nobody to talk to: there the wrappers do the local equivalent (a
 copy, or nothing) and record nothing, so world size 1 issues no collective, as FSDP2.
@@ -14,19 +15,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero.comm import backend, ledger
+from zero.comm import backend, ledger, objects, waits
 from zero.comm.agree import agree, checking
 
 
 class Handle:
-    """A collective's handle that notes, in its record, when ``wait()`` returned (on NCCL that
-    is when the current stream was told to wait, not when the bytes arrived)."""
+    """A collective in flight: ``wait()`` is bounded (``zero/comm/waits.py``) and notes, in the
+    collective's record, when it returned (on NCCL that is when the current stream was told to
+    wait, not when the bytes arrived)."""
 
-    def __init__(self, work, record: ledger.Record):
-        self.work, self.record = work, record
+    def __init__(self, work, op: str, name: str, group, record: ledger.Record | None):
+        self.work, self.op, self.name, self.group, self.record = work, op, name, group, record
 
-    def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs)
+    def wait(self):
+        out = waits.wait(self.work, self.name, self.group, op=self.op)
         ledger.done(self.record)
         return out
 
@@ -44,17 +46,17 @@ def _done(async_op: bool):
 
 def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_op: bool,
            launch):
-    """Agree (check mode), record, launch; a handle that times its wait."""
+    """Agree (check mode), record, launch (always asynchronously, so that even a blocking
+    call's wait is bounded); the handle, or its wait's result for a blocking call."""
+    what = f"{op} {unit or '(no unit)'} in {phase} ({buffer.numel()} x {buffer.dtype})"
     if checking():
-        agree(f"{op} {unit or '(no unit)'} in {phase} ({buffer.numel()} x {buffer.dtype})",
-              group=group, device=buffer.device,
+        agree(what, group=group, device=buffer.device,
               fix="Every rank must run the same units in the same order: the same forward "
                   "calls, the same no_sync micro-batches, backward and opt.step() on all ranks")
+    name = waits.issued(what, group)
     rec = ledger.record(op, buffer, factor, group, unit, phase)
-    work = launch()
-    if rec is not None and not async_op:
-        ledger.done(rec)
-    return Handle(work, rec) if rec is not None and async_op else work
+    handle = Handle(launch(), op, name, group, rec)
+    return handle if async_op else handle.wait()
 
 
 def all_gather(output, input, *, group=None, unit="", phase="other", async_op=False):
@@ -67,7 +69,7 @@ def all_gather(output, input, *, group=None, unit="", phase="other", async_op=Fa
             output.copy_(input)
         return _done(async_op)
     return _issue("all_gather", output, 1.0, group, unit, phase, async_op,
-                  lambda: backend.all_gather(output, input, group, async_op))
+                  lambda: backend.all_gather(output, input, group, async_op=True))
 
 
 def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other", async_op=False):
@@ -76,7 +78,7 @@ def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other
         output.copy_(input)
         return _done(async_op)
     return _issue("reduce_scatter", input, 1.0, group, unit, phase, async_op,
-                  lambda: backend.reduce_scatter(output, input, op, group, async_op))
+                  lambda: backend.reduce_scatter(output, input, op, group, async_op=True))
 
 
 def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op=False):
@@ -84,7 +86,7 @@ def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op
     if backend.alone(group):
         return _done(async_op)
     return _issue("all_reduce", tensor, 2.0, group, unit, phase, async_op,
-                  lambda: backend.all_reduce(tensor, op, group, async_op))
+                  lambda: backend.all_reduce(tensor, op, group, async_op=True))
 
 
 def broadcast(tensor, *, src: int = 0, group=None, unit="", phase="other", async_op=False):
@@ -92,11 +94,11 @@ def broadcast(tensor, *, src: int = 0, group=None, unit="", phase="other", async
     if backend.alone(group):
         return _done(async_op)
     return _issue("broadcast", tensor, 1.0, group, unit, phase, async_op,
-                  lambda: backend.broadcast(tensor, src, group, async_op))
+                  lambda: backend.broadcast(tensor, src, group, async_op=True))
 
 
 def all_gather_object(obj: Any, *, group=None) -> list[Any]:
     """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""
     if backend.alone(group):
         return [obj]
-    return backend.all_gather_object(obj, group)
+    return objects.all_gather_object(obj, group)

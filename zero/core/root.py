@@ -95,7 +95,10 @@ class Root:
                    fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
-                       "value every rank shares (a norm from zero.clip_grad_norm_)")
+                       "value every rank shares (a norm from zero.clip_grad_norm_). An evaluation "
+                       "forward (under torch.no_grad()) gathers parameters too: run it on every "
+                       "rank, or evaluate on one rank with an unsharded copy of the model loaded "
+                       "from zero.full_state_dict(model), which every rank must call")
         self.backwards, self.schedule.reduced = 0, []
         for u in written:
             u.shard_changed()  # stages 1/2 gather the new parameters (async); stage 3 frees
@@ -114,8 +117,9 @@ class Root:
             order += f", in the order {names(ran)}"
         if not self.unit.stage.keep_grads:
             order += f", reduced {names(schedule.reduced)}"
-        return (f"start a forward after {self.backwards} backward(s) since the last one; shards "
-                f"written (opt.step) in units: {names(written)}; units in no_sync: "
+        mode = "" if torch.is_grad_enabled() else " under no_grad"  # (an evaluation on one rank)
+        return (f"start a forward{mode} after {self.backwards} backward(s) since the last one; "
+                f"shards written (opt.step) in units: {names(written)}; units in no_sync: "
                 f"{names([u for u in self.units if not u.requires_grad_sync])}; the last "
                 f"forward ran {len(ran)} unit(s){order}")
 

@@ -1,0 +1,102 @@
+"""Every wait is bounded: a rank left alone in a collective raises, saying what it waited for.
+
+A collective pairs with whatever the other ranks issue next, so ranks that took different
+paths (one skipped a backward, one raised and went on) wait for each other forever: until the
+process group's own timeout, 30 minutes by default, and then with a message about sockets.
+Here every ``wait()`` zero makes has a bound, ``ZERO_TIMEOUT`` seconds (default 300), and on
+expiry raises ``CollectiveTimeout`` on the rank that waited: which collective (its number
+among those this rank issued on that group), for which unit and phase, what this rank issued
+just before it, and what usually causes it.
+
+Why 300 s: long enough for a slow rank doing real work between two collectives (a step of a
+big model, one rank writing a checkpoint), and as long as torchtitan's default timeout for
+initialisation (it uses 100 s once training runs); six times shorter than torch's default.
+A job that legitimately keeps ranks apart for longer sets ``ZERO_TIMEOUT``; ``ZERO_TIMEOUT=0``
+removes the bound (waits as torch does, until the process group's timeout).
+
+The bound costs no collective: it is a timeout on the wait itself. gloo honours
+``Work.wait(timeout)`` (it raises "Operation timed out") for its all-gather, all-reduce and
+broadcast, but not for its reduce-scatter, whose handle also has no future and never reports
+``is_completed()`` (torch 2.13): that one is waited for on a helper thread while this one waits
+for it with a bound (``_IGNORED``; tests/test_comm.py checks that it still needs it). NCCL's
+``wait(timeout)`` instead
+blocks the CPU until the collective completes, which would stop every overlap of compute and
+communication; so on NCCL only the agreement (whose result the CPU reads anyway) is bounded
+here, and the process group's own timeout bounds the rest (NCCL's watchdog aborts a collective
+older than the ``timeout`` given to ``init_process_group``: set it as you set ``ZERO_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import threading
+
+from zero.comm import backend
+
+DEFAULT_TIMEOUT_S = 300.0
+_BOUNDED = ("gloo", "fake")  # backends whose wait(timeout) does not block on the device
+_IGNORED = {("gloo", "reduce_scatter")}  # ... but whose wait ignores the timeout for this op
+
+_count: dict = {}  # collectives this rank issued, per group
+_last: collections.deque = collections.deque(maxlen=3)  # the last few, for the message
+
+
+class CollectiveTimeout(RuntimeError):
+    """A rank waited longer than ``ZERO_TIMEOUT`` for a collective the others never joined."""
+
+
+def timeout_seconds() -> float:
+    return float(os.environ.get("ZERO_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def issued(what: str, group) -> str:
+    """Number a collective this rank issues on ``group``; returns how the message names it."""
+    key = backend.world() if group is None else group
+    n = _count[key] = _count.get(key, 0) + 1
+    name = f"#{n} {what}"
+    _last.append(name)
+    return name
+
+
+def wait(work, name: str, group, op: str = "", always: bool = False):
+    """``work.wait()``, bounded by ``ZERO_TIMEOUT`` where the backend allows it (or ``always``:
+    a wait whose result the CPU reads at once). ``op`` names the collective (``_IGNORED``)."""
+    kind, seconds = backend.name(group), timeout_seconds()
+    if seconds <= 0 or not (always or kind in _BOUNDED):
+        return work.wait()
+    try:
+        if (kind, op) in _IGNORED:
+            return _wait_on_a_thread(work, seconds)
+        return work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:
+        before = [n for n in _last if n != name]
+        raise CollectiveTimeout(
+            f"rank {backend.rank(group)} waited {seconds:.0f} s for collective {name} and the "
+            f"other ranks never joined it. Before it, this rank issued: "
+            f"{'; '.join(before) or 'nothing'}. Likely causes: a rank skipped a forward, a "
+            "backward or an opt.step() that the others ran (or ran one they skipped, e.g. an "
+            "evaluation on one rank); a rank raised and its exception was caught (a loop that "
+            "logs and goes on); or a rank is still busy with something slow, such as writing a "
+            f"checkpoint alone: then set ZERO_TIMEOUT above {seconds:.0f} s. ({e})") from e
+
+
+def _wait_on_a_thread(work, seconds: float):
+    """``work.wait()`` on a helper thread, this one waiting at most ``seconds`` for it. On
+    expiry the helper stays blocked (a daemon); the process group is broken by then anyway."""
+    done, outcome = threading.Event(), {}
+
+    def run():
+        try:
+            outcome["value"] = work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = e
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="zero-wait").start()
+    if not done.wait(seconds):
+        raise RuntimeError(f"no reply within {seconds:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
