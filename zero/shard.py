@@ -44,6 +44,7 @@ def shard(
     mesh=None,
     secondary_group=None,
     comm_policy=None,
+    sync_module_states: bool = False,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -80,6 +81,11 @@ def shard(
         comm_policy: how the unit's flat buffers cross the ranks: an object with
             ``all_gather`` and ``reduce_scatter`` as ``zero/comm/flat_collectives.py``'s
             ``FlatCollectives`` (None: that one, cast then in place).
+        sync_module_states: copy rank 0's values of the unit's parameters and buffers to
+            every rank first (FSDP1's name; DDP always does): for weights loaded on rank 0
+            only. Otherwise every rank must hold the same values already: a fingerprint
+            of them is compared, and ranks that differ raise (a model that is half
+            random init trains silently otherwise).
 
     Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
     trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
@@ -113,8 +119,13 @@ def shard(
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
     if comm_policy is not None:
         desc.append(type(comm_policy).__name__)
+    desc.append(("values", any(p.is_meta for p in params), sync_module_states))
     comm.agree(f"shard {desc}", group=all_group, error=ValueError,
                fix=f"Ranks shard different modules: build {agreed}")
+    if sync_module_states:
+        _take_rank0_values(modules, params, all_group)
+    elif not any(p.is_meta for p in params):  # (on the meta device: no values yet)
+        _check_same_values(names, all_group)
 
     # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
     # ever formed, reduced or stored for them (a LoRA model's frozen base weights).
@@ -147,6 +158,63 @@ def shard(
         if u.materialized:  # stages 1/2: every rank starts from the same full parameters
             u.shard_changed(phase="init")
     return module
+
+
+_SAMPLES = 64  # elements of each parameter in the fingerprint of its values
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits by itemsize
+
+
+def _fingerprint(names) -> torch.Tensor:
+    """(P,) int64: per parameter, a weighted sum of the bits of up to ``_SAMPLES`` of its
+    elements, evenly spaced. Exact integer arithmetic: equal values give equal sums on any
+    rank, in any order; a parameter from another init or checkpoint differs almost surely."""
+    sums = []
+    for _, p in names:
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
+        bits = sample.view(_INTS[sample.element_size()]).to(torch.int64)
+        weights = torch.arange(1, len(bits) + 1, dtype=torch.int64, device=bits.device)
+        sums.append((bits * weights).sum())
+    return torch.stack(sums)
+
+
+def _check_same_values(names, group) -> None:
+    """Raise on every rank, naming the parameters, unless every rank holds the same values
+    (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
+    n = dist.get_world_size(group)
+    if not names or n == 1 or comm.simulated(group):
+        return
+    mine = _fingerprint(names)
+    every = mine.new_empty(n * len(mine))
+    # (P,) per rank -> (N*P,): each rank's fingerprint of each parameter
+    comm.all_gather(every, mine, group=group, unit="", phase="init")
+    rows = every.view(n, -1)
+    differ = [name for (name, _), d in zip(names, (rows != rows[0]).any(0).tolist()) if d]
+    if differ:  # (every rank gathered the same rows: every rank raises)
+        raise ValueError(
+            f"the ranks hold different values of {len(differ)} of this unit's {len(names)} "
+            f"parameters ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}): were "
+            "the weights loaded on rank 0 only? Each rank would train its own half. Load them "
+            "on every rank before zero.shard, or pass zero.shard(..., sync_module_states=True) "
+            "to copy rank 0's, or shard on the meta device and load after (zero.load)")
+
+
+def _take_rank0_values(modules, params, group) -> None:
+    """``sync_module_states``: rank 0's values of ``params`` and of the modules' buffers on
+    every rank, in one broadcast per dtype (the unit's full size, once, at sharding time)."""
+    if any(p.is_meta for p in params):
+        raise ValueError("sync_module_states=True copies rank 0's values, but the module is "
+                         "on the meta device: it has none yet; use zero.init_parameters or "
+                         "zero.load after sharding instead")
+    tensors = [p.detach() for p in params] + [b for m in modules for b in m.buffers()]
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        # (numel,) rank 0's -> every rank's, in place
+        comm.broadcast(flat, src=0, group=group, unit="", phase="init")
+        with torch.no_grad():
+            for t, part in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(part.view_as(t))
 
 
 def _groups(group, mesh):
