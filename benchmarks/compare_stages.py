@@ -59,7 +59,9 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     base = make_model(args).to(device)
-    system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"))
+    layout = {"layout": args.layout} if kind.startswith("zero") else {}
+    system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"),
+                    **layout)
     losses = []
 
     def step(i):
@@ -93,6 +95,8 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "elements": sum(comm.elements.values()),
         "unaccounted": dict(comm.unknown),
         "ledger": ledger.sent_bytes(),
+        "buffers": {op: sum(r.buffer_bytes for r in ledger.select(op)) for op in
+                    ("all_gather", "reduce_scatter")},
         "memory": {getattr(k, "value", k): v for k, v in peak_snapshot.items()},
         "peaks": {getattr(k, "value", k): v for k, v in mem.category_peaks.get(device, {}).items()},
         "model_states_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES, 0),
@@ -182,6 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fine-tuning: blocks of a frozen base and a trainable low-rank adapter "
                         f"(LoRA, rank {LORA_RANK}), AdamW on the adapters")
     p.add_argument("--no-time", action="store_true", help="skip the timed steps")
+    p.add_argument("--layout", default="flat", choices=["flat", "rows", "whole"],
+                   help="our stages' shard layout (notes/16-layouts.md; benchmarks/layouts.py "
+                        "compares the three)")
     args = p.parse_args(argv)
     args.kinds = args.systems
     args.layers = args.layers or (FROZEN_LAYERS if args.frozen else LAYERS)

@@ -202,7 +202,7 @@ def test_every_rank_raises_an_error_naming_the_fix(name, tmp_path):
 # own, within ZERO_TIMEOUT (zero/comm/waits.py), naming what it waited for, instead of waiting
 # for the process group's timeout (30 minutes by default; run_ranks sets it to the test's 30 s).
 
-BOUND = 4  # ZERO_TIMEOUT for these cases, seconds
+BOUND = 2  # ZERO_TIMEOUT for these cases, seconds
 
 
 def _eval_on_rank0_only(rank, stage):
@@ -222,7 +222,7 @@ def _caught_step_failure(rank):
             raise ZeroDivisionError("the optimizer failed on this rank")  # e.g. an empty piece
         _step(model, opt, rank, 1)
     except ZeroDivisionError:
-        time.sleep(BOUND + 3)  # a harness that logs and goes on with something else
+        time.sleep(BOUND + 1)  # a harness that logs and goes on with something else
         return None
     return None
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from zero import comm
 from zero.core import registry
 from zero.core.registry import units_of
+from zero.core.rows import local_tensor
 
 
 def clip_grad_norm_(
@@ -44,7 +45,7 @@ def clip_grad_norm_(
     comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=units[0].all_group,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     with_grad = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in with_grad if registry.is_piece(p)]
+    grads = [local_tensor(p.grad) for p in with_grad if registry.is_piece(p)]  # (rows: this rank's)
     # ignored_params are whole on every rank: their share of the norm is counted once, after
     whole = [p.grad for p in with_grad if not registry.is_piece(p)]
     norm_type = float(norm_type)

@@ -63,7 +63,7 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = res
                 mod._buffers[name] = torch.zeros_like(buf, device=units[0].sharded.device)
         init_fn(mod)
         for u in [u for u in full if last[u] == i]:
-            u.sharded.copy_(full.pop(u)[u.local.slot])
+            u.sharded.copy_(u.layout.to_wire(full.pop(u))[u.local.slot])
             u.use_sharded_params()
             u.shard_changed(phase="init")  # stages 1/2: gather the full parameters
     for u in units:  # units with no parameters of their own

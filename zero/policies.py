@@ -3,7 +3,9 @@
 The mechanism (``zero/core``) reads a policy; it never branches on where it came from. Today:
 
 - ``MixedPrecision``: the dtypes of computation and of the gradient reduction (below);
-- a communication policy: how a unit's flat buffers cross the ranks (``Unit(comm=...)``;
+- a layout: which rank holds which element of a unit (``layout="flat" | "rows" | "whole"``,
+  ``LAYOUTS`` below; ``zero/core/flat.py``'s note is the interface);
+- a communication policy: how a unit's flat buffers cross the ranks (``comm_policy=``;
   ``zero/comm/flat_collectives.py`` is the default and the interface to imitate).
 
 Mixed precision with FSDP2's semantics (``MixedPrecisionPolicy``).
@@ -22,6 +24,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from zero.core.flat import FlatLayout
+from zero.core.rows import RowsLayout
+from zero.core.whole import WholeLayout
+
+# Who holds which element (notes/16-layouts.md): FSDP1's and DeepSpeed's flat pieces (the
+# default), FSDP2's rows (DTensor parameters, FSDP2's sums at any world size), whole parameters
+# (for optimizers that read a whole tensor: Adafactor, Muon).
+LAYOUTS = {"flat": FlatLayout, "rows": RowsLayout, "whole": WholeLayout}
+
+
+def layout_class(layout):
+    """``LAYOUTS[name]``, or a layout class given as it is."""
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+        return LAYOUTS[layout]
+    if isinstance(layout, type) and all(hasattr(layout, a) for a in ("views", "local", "exposed")):
+        return layout
+    raise TypeError(f"layout must be a name in {sorted(LAYOUTS)} or a layout class, got {layout!r}")
 
 
 @dataclass(frozen=True)

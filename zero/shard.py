@@ -26,7 +26,7 @@ from zero.core import hooks, registry
 from zero.core.registry import piece_of, unit_of, units_of, units_on
 from zero.core.stage import STAGES
 from zero.core.unit import Unit
-from zero.policies import MixedPrecision
+from zero.policies import MixedPrecision, layout_class
 
 __all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
 
@@ -45,6 +45,7 @@ def shard(
     secondary_group=None,
     comm_policy=None,
     sync_module_states: bool = False,
+    layout="flat",
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -86,6 +87,12 @@ def shard(
             only. Otherwise every rank must hold the same values already: a fingerprint
             of them is compared, and ranks that differ raise (a model that is half
             random init trains silently otherwise).
+        layout: which rank holds which element (``zero.policies.LAYOUTS``): "flat" (the
+            default: the unit's parameters end to end, cut in N equal slices; each parameter
+            shows this rank's 1-D piece), "rows" (FSDP2's: each parameter cut along dim 0,
+            shown as a ``Shard(0)`` DTensor of its full shape), or "whole" (each parameter
+            whole on one rank, for optimizers that read whole tensors: Adafactor, Muon). All
+            units of one model use one layout. notes/16-layouts.md compares them.
 
     Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
     trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
@@ -110,8 +117,16 @@ def shard(
             raise ValueError("secondary_group (hpZ) only applies to stage 3: stages 1 and 2 "
                              "keep their full parameters, so backward gathers nothing")
         device = _device(modules[0], group, device)
+        layout = layout_class(layout)
+        if layout.copies and (secondary_group is not None or replicate_group is not None):
+            raise ValueError(f"layout={layout.name!r} is not supported with hybrid sharding "
+                             "(a 2-D mesh or a secondary_group) yet: use layout='flat' there")
         params, locations, children = _check(modules, stage, mp_policy, reshard_after_forward,
                                              ignored)
+        if any(child.layout.name != layout.name for child in children):
+            raise ValueError(f"the units below {type(modules[0]).__name__} use layout "
+                             f"{children[0].layout.name!r}, this call {layout.name!r}: use one "
+                             "layout for all units of a model")
     names = _names(modules, params)
     desc = [[type(m).__name__ for m in modules], stage, str(mp_policy), reshard_after_forward,
             broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
@@ -135,7 +150,7 @@ def shard(
     comm_policy = comm_policy or FlatCollectives()
     units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
                   group, mp_policy, reshard_after_forward, device, replicate_group,
-                  secondary_group, all_group, comm_policy) for g in groups]
+                  secondary_group, all_group, comm_policy, layout) for g in groups]
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
     for sibling in units[1:]:

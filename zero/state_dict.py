@@ -30,7 +30,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             flat = unit.sharded.new_empty(unit.layout.padded_numel)
             # (S,) per rank -> (N*S,): the master weights, whole
             comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other")
-            unit.use(unit.layout.views(flat))
+            unit.use(unit.layout.views(unit.layout.from_wire(flat)))  # (rows: copied out)
         with torch_hooks.state_dict_access():
             return model.state_dict()
     finally:
@@ -57,5 +57,6 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():
-            unit.sharded.copy_(flat[unit.local.slot])  # our slice; the next forward gathers the rest
+            # our slice (rows: of the rank-major buffer); the next forward gathers the rest
+            unit.sharded.copy_(unit.layout.to_wire(flat)[unit.local.slot])
     return result

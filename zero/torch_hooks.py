@@ -5,7 +5,9 @@ the old tensors, or reads the pieces as if they were whole, would compute silent
 results; each way in gets a hook that either does the right thing or raises, naming the fix:
 
 - an optimizer: a global step pre-hook waits for any all-gather still reading the shard
-  the step is about to write, and refuses the replaced originals (built before sharding);
+  the step is about to write, refuses the replaced originals (built before sharding) and an
+  optimizer that would compute something else on the pieces a layout gives it; a post-hook
+  marks the units it stepped, on every rank, even one that holds none of a unit's elements;
 - the original parameters: a module outside the sharded model that shares one would train
   it on each rank alone; a gradient reaching an original raises;
 - ``module.state_dict()`` / ``load_state_dict()``: on a sharded module they would give and
@@ -20,7 +22,8 @@ import contextlib
 from functools import partial
 
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from zero.core import registry
 
@@ -48,6 +51,7 @@ def install(modules: list[nn.Module]) -> None:
     """The hooks, on every module that holds a sharded parameter (and the unit's own)."""
     if not _state["optimizer_hook"]:
         register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
         _state["optimizer_hook"] = True
     for module in modules:
         if not getattr(module, "_zero_state_dict_hooks", False):
@@ -73,9 +77,45 @@ def units_of_optimizer(optimizer) -> list:
     return list(units)
 
 
+# Optimizers that read a parameter as a whole: on a piece of it (flat) or on some of its rows
+# (rows) they compute something else, silently. (LBFGS reads all parameters as one vector and
+# takes dot products over it: on any rank's share of them it is wrong under every layout.)
+WHOLE_TENSOR = {"Adafactor": "its factored second moment is per row and column of a matrix",
+                "Muon": "it orthogonalises the update of each whole matrix"}
+NO_LAYOUT = {"LBFGS": "it takes dot products over all parameters as one vector, and each rank "
+                      "holds only its share"}
+
+
 def _before_step(optimizer, args, kwargs) -> None:
-    for unit in units_of_optimizer(optimizer):
+    units = units_of_optimizer(optimizer)
+    if units:
+        _refuse_whole_tensor_optimizers(optimizer, units)
+    for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
+
+
+def _refuse_whole_tensor_optimizers(optimizer, units) -> None:
+    kind = type(optimizer).__name__
+    if kind in NO_LAYOUT:
+        raise RuntimeError(f"torch.optim.{kind} cannot train a model sharded by zero: "
+                           f"{NO_LAYOUT[kind]}. Use an optimizer that updates each parameter "
+                           "on its own (AdamW, SGD, ...)")
+    piecewise = sorted({u.layout.name for u in units if u.layout.name != "whole"})
+    if kind in WHOLE_TENSOR and piecewise:
+        raise RuntimeError(
+            f"torch.optim.{kind} reads each parameter whole ({WHOLE_TENSOR[kind]}), but "
+            f"layout={piecewise[0]!r} gives it only this rank's part of each one: it would "
+            "compute something else, silently. Shard with zero.shard(..., layout='whole'): "
+            "each parameter then lives whole on one rank, and that rank's optimizer sees it "
+            "in its own shape")
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    """Mark every unit with a parameter in ``optimizer`` as stepped: the next forward refreshes
+    it on every rank, whether or not this rank holds any of its elements (``whole``)."""
+    for unit in units_of_optimizer(optimizer):
+        if unit.unsharded.requires_grad:  # (frozen units are never stepped)
+            unit.stepped = True
 
 
 @contextlib.contextmanager
@@ -88,17 +128,26 @@ def state_dict_access():
         _state["state_dict_access"] -= 1
 
 
+def _shows_dtensors(module) -> bool:
+    """Whether ``module``'s sharded parameters are DTensors of their full shape (layout
+    "rows", FSDP2's): its state dict is then FSDP2's, which DCP reads right."""
+    units = {registry.unit_of(p) for p in module._parameters.values()} | set(
+        registry.units_on(module))
+    units.discard(None)
+    return bool(units) and all(u.layout.name == "rows" for u in units)
+
+
 def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
-    if not _state["state_dict_access"]:
+    if not _state["state_dict_access"] and not _shows_dtensors(module):
         raise RuntimeError(
             "state_dict() of a module sharded by zero would hold this rank's 1-D pieces of "
             "each parameter under the full names. Use zero.full_state_dict(model) for full "
             "tensors (call it on every rank), or zero.save(path, model, opt) for a sharded "
-            "checkpoint")
+            "checkpoint, or shard with layout='rows', whose parameters are FSDP2's DTensors")
 
 
 def _load_state_dict_pre_hook(module, state_dict, prefix, *args) -> None:
-    if not _state["state_dict_access"]:
+    if not _state["state_dict_access"] and not _shows_dtensors(module):
         raise RuntimeError(
             "load_state_dict() on a module sharded by zero would copy full tensors into this "
             "rank's 1-D pieces. Use zero.load_full_state_dict(model, state) for a full state "

@@ -70,8 +70,9 @@ def run_ranks(
             procs.append(proc)
         try:
             results = _collect(readers, procs, tmp, timeout)
-            for proc in procs:  # they leave through a barrier: give them a moment
-                proc.join(5)
+            leave = time.monotonic() + 5  # they leave through a barrier: give them a moment
+            for proc in procs:
+                proc.join(max(leave - time.monotonic(), 0))
             return results
         finally:
             for proc in procs:
@@ -144,11 +145,12 @@ def _rank_main(fn, rank, world_size, tmp, timeout, backend, args, writer) -> Non
     writer.close()
     if result[0]:
         # Leave together: a rank that exits at once can cut a peer's gloo connection set-up
-        # short ("connectFullMesh failed"). The parent already has this rank's result.
+        # short ("connectFullMesh failed"). The parent already has this rank's result; a peer
+        # stuck in a collective (a test of timeouts) must not hold this one for long.
         try:
-            dist.barrier()
+            dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=2))
         except Exception:
-            pass  # a peer failed: the parent reports that rank's error, not this echo
+            pass  # a peer failed or is stuck: the parent reports what it returned
     # Skip interpreter teardown (pytest's atexit handlers, gloo's destructors): the parent
     # has everything it needs, and a clean shutdown of a broken group can itself hang.
     os._exit(0)

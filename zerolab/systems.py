@@ -64,11 +64,12 @@ class System:
         reshard_after_forward: for the non-root units of "zero3" and "fsdp2".
         mesh_shape: (replicas, shards): HSDP for ours and FSDP2 (default: one flat group).
         ranks_per_node: ours at stage 3: hpZ, a secondary shard over groups of this many ranks.
+        layout: ours: which rank holds which element ("flat", "rows", "whole").
     """
 
     def __init__(self, kind: str, base: nn.Module, opt: str = "adamw", mp: bool = False,
                  reshard_after_forward: bool | None = None, mesh_shape: tuple | None = None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, layout: str = "flat"):
         self.kind, self.base = kind, base
         model = copy.deepcopy(base)
         if kind == "replicated":
@@ -121,7 +122,7 @@ class System:
                 rafa = reshard_after_forward if unit is not model else None
                 unit_policy = None if any(unit is m for m in fp32_units) else policy
                 zero.shard(unit, stage=int(kind[-1]), mp_policy=unit_policy,
-                           reshard_after_forward=rafa, **hybrid)
+                           reshard_after_forward=rafa, layout=layout, **hybrid)
         self.model = model
         self.opt = make_optimizer(opt, list(model.named_parameters()))
 
@@ -147,6 +148,8 @@ class System:
             return {n: p.detach().clone() for n, p in self.model.named_parameters()}
         if self.kind.startswith("fsdp2"):
             return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
+        if self.kind.startswith("zero") and hasattr(next(self.model.parameters()), "full_tensor"):
+            pass  # rows: DTensor parameters, but gathered like every layout, below
         full = zero.full_state_dict(self.model)  # also buffers and tied aliases: keep params
         return {n: full[n].clone() for n, _ in self.model.named_parameters()}
 

@@ -8,6 +8,8 @@ copy whose parameters no longer view its shards. Each raises, naming the fix.
 
 from __future__ import annotations
 
+from zero.core.rows import local_tensor
+
 
 def _key(t) -> int:
     return t.untyped_storage()._cdata
@@ -20,7 +22,7 @@ def converted_after_sharding(unit) -> None:
     for p, locs in zip(unit.params, unit.locations):
         mod, attr = locs[0]
         if (mod._parameters.get(attr) is not p or p.dtype != unit.sharded.dtype
-                or p.device != unit.sharded.device or _key(p) != key):
+                or p.device != unit.sharded.device or _key(local_tensor(p)) != key):
             raise RuntimeError(
                 f"the parameters of unit {unit.name} were converted after zero.shard "
                 f"(now {p.dtype} on {p.device}, sharded as {unit.sharded.dtype} on "

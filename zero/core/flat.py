@@ -14,6 +14,17 @@ contiguous run of p_i's flattened elements. Each parameter has at most one piece
 
 Everything here is pure tensor code with no collectives: ``tests/test_flat.py`` checks the
 layout with hypothesis on shapes and world sizes.
+
+[Note: the layout interface] Who holds which element of a unit is a policy: this file's flat
+pieces (FSDP1, DeepSpeed), FSDP2's rows (``zero/core/rows.py``) or whole parameters
+(``zero/core/whole.py``). Each is a class made from the parameters' shapes and the world size,
+with the same members: ``padded_numel`` and ``shard_numel`` (the all-gather's buffer, N*S, and
+a rank's slot of it), ``pieces(rank)`` and ``local(rank)`` (which elements rank r holds, and
+where), ``views(compute)`` (the parameters inside the buffer they compute with), and the
+three that let a layout put the parameters elsewhere than the all-gather does:
+``copies`` (whether the gathered buffer must be copied into the compute buffer),
+``from_wire`` / ``to_wire`` (that copy, both ways) and ``exposed`` (the tensor a rank's piece
+is shown to the optimizer as). Here the gathered buffer *is* the compute buffer.
 """
 
 from __future__ import annotations
@@ -54,6 +65,10 @@ class FlatLayout:
         shapes: the parameters' shapes, in flattening order (0-d and empty allowed).
         world_size: N, the number of shards.
     """
+
+    name = "flat"
+    copies = False  # the all-gather's buffer is the one the parameters view
+    empty_pieces_get_grads = True  # a rank that holds none of a parameter gets an empty .grad
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
         if world_size < 1:
@@ -106,6 +121,18 @@ class FlatLayout:
         chunks = flat.split(self.numels + [pad])
         return [c.view(shape) for c, shape in zip(chunks, self.shapes)]
 
+    def from_wire(self, wire: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The compute buffer of a gathered (N*S,) buffer: here the same tensor."""
+        return wire
+
+    def to_wire(self, compute: torch.Tensor) -> torch.Tensor:
+        """The (N*S,) buffer to reduce-scatter from a compute buffer: here the same tensor."""
+        return compute
+
+    def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
+        """How this rank's piece of parameter i is shown to the optimizer: as it is, 1-D."""
+        return piece
+
 
 class LocalShard:
     """One rank's share of a layout: its slot of the flat buffer and its piece of each parameter.
@@ -115,7 +142,7 @@ class LocalShard:
         rank: the rank in the unit's group.
     """
 
-    def __init__(self, layout: FlatLayout, rank: int):
+    def __init__(self, layout, rank: int):
         self.layout, self.rank = layout, rank
         info = layout.shard(rank)
         self.slot = slice(info.offset, info.offset + info.size)  # in the (N*S,) flat buffer

@@ -115,6 +115,7 @@ class Gradient:
             return
         kept = self.keeps_full and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
+        grad = self.local.layout.to_wire(grad)  # (rows: rank-major, a copy; others: as it is)
         pre, post = divide_factors(grad.dtype, self.world_size * self.replicas)
         if pre is not None:
             grad.div_(pre)  # fp16: half of the mean's division before the sum, half after
@@ -155,7 +156,9 @@ class Gradient:
         for i, p in enumerate(self.params):
             if not used[i]:
                 continue  # unused everywhere: grad stays None, as in DDP
-            g = self.local.piece(shard, i)
+            g = self._exposed_piece(shard, i)
+            if g is None:
+                continue
             if p.grad is None:
                 p.grad = g
             else:
@@ -172,15 +175,24 @@ class Gradient:
             return
         zeros = torch.zeros_like(self.master)
         for i, p in enumerate(self.params):
-            if p.requires_grad and p.grad is None:
-                p.grad = self.local.piece(zeros, i)
-                self._zero_markers[i] = p.grad
+            g = self._exposed_piece(zeros, i) if p.requires_grad and p.grad is None else None
+            if g is not None:
+                p.grad = self._zero_markers[i] = g
+        # (a DTensor's own version counter: in-place ops on it do not reach its local tensor's)
         self._seen_grads = [(p, p.grad, p.grad._version) for p in self.params
                             if p.grad is not None]
 
     def discard_if_zeroed(self) -> None:
         if any(p.grad is not g or g._version != v for p, g, v in self._seen_grads):
             self.discard()
+
+    def _exposed_piece(self, shard: torch.Tensor, i: int):
+        """Parameter i's piece of a shard-sized buffer, shown as its parameter is (a DTensor for
+        ``rows``), or None where the layout gives it no gradient (``whole``, not the owner)."""
+        g = self.local.piece(shard, i)
+        if not g.numel() and not self.local.layout.empty_pieces_get_grads:
+            return None
+        return self.local.layout.exposed(g, i, self.local.rank, self.group)
 
     def _unmark(self) -> None:
         for i, marker in self._zero_markers.items():

@@ -112,7 +112,8 @@ class Unit:
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.param_dtype,
                                          device=device)
             self._unsharded_data = self.unsharded.data
-            self.shard_in_place = stage.shards_in_place(self.param_dtype, dtype)
+            self.shard_in_place = (stage.shards_in_place(self.param_dtype, dtype)
+                                   and not self.layout.copies)
             if self.shard_in_place:
                 # (.data: its own version counter, which only writes to the shard move.)
                 self.sharded = self._unsharded_data[self.local.slot].data
@@ -143,12 +144,17 @@ class Unit:
         self.sharded_state = ShardedState.UNSHARDED
         self._gather_work = None  # GATHERING: the all-gather in flight
         self._secondary: torch.Tensor | None = None  # SECONDARY: hpZ's secondary shard
-        self._seen_version = self.sharded._version  # what the full parameters were made from
+        # In-place writes to a DTensor parameter (rows) bump its own version counter, not the
+        # shard's: watch both (flat and whole parameters are views sharing the shard's).
+        self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
+        self._seen_version = self._versions()  # what the full parameters were made from
+        self.stepped = False  # an optimizer with a parameter of this unit stepped since
         if stage.frees_parameters:
             self._free()
 
     def _sharded_param(self, i: int, orig: nn.Parameter) -> nn.Parameter:
-        p = nn.Parameter(self.local.piece(self.sharded, i), requires_grad=orig.requires_grad)
+        piece = self.layout.exposed(self.local.piece(self.sharded, i), i, self.rank, self.group)
+        p = nn.Parameter(piece, requires_grad=orig.requires_grad)
         registry.mark_piece(p, self, i)
         return p
 
@@ -181,9 +187,13 @@ class Unit:
 
     # ---- parameters: unshard (all-gather) and reshard (free) -------------------------------
 
+    def _versions(self) -> tuple[int, ...]:
+        return (self.sharded._version, *(p._version for p in self._wrapped))
+
     def _gather(self, phase: str) -> None:
         """Start an all-gather into the (allocated) full buffer: GATHERING."""
-        self._seen_version = self.sharded._version  # the full parameters will show this shard
+        self._seen_version = self._versions()  # the full parameters will show this shard
+        self.stepped = False
         if self.layout.padded_numel == 0:
             self.sharded_state = ShardedState.UNSHARDED
             return
@@ -192,10 +202,15 @@ class Unit:
             self._secondary = None
         else:
             source, group, slot = self.sharded, self.group, self.local.slot
+        target = self._unsharded_data
+        if self.layout.copies:  # gathered rank-major, copied out where the parameters are
+            target = self._unsharded_data.new_empty(self.layout.padded_numel)
         # (hpZ is stage 3, where the shard is never inside the full buffer)
-        self._gather_work = self.comm.all_gather(self._unsharded_data, source, slot,
-                                                 in_place=self.shard_in_place, group=group,
-                                                 unit=self.name, phase=phase)
+        work = self.comm.all_gather(target, source, slot, in_place=self.shard_in_place,
+                                    group=group, unit=self.name, phase=phase)
+        if self.layout.copies:
+            work = _CopiedOut(work, self.layout, target, self._unsharded_data)
+        self._gather_work = work
         self.sharded_state = ShardedState.GATHERING
 
     def _secondary_slot(self) -> slice:
@@ -230,8 +245,9 @@ class Unit:
     def shard_written(self) -> bool:
         """Whether the shard changed since the full parameters were last gathered from it:
         ``opt.step()``, an in-place edit (``p.mul_(0.5)``), a checkpoint load. Its version
-        counter tells, whoever wrote it (but not a write through ``p.data``)."""
-        return self.sharded._version != self._seen_version
+        counter tells, whoever wrote it (but not a write through ``p.data``); and an
+        optimizer step marks it (``stepped``) on a rank that holds none of its elements too."""
+        return self.stepped or self._versions() != self._seen_version
 
     def reshard(self, keep_secondary: bool = False) -> None:
         """Stage 3: give the full parameters' memory back; stages 1/2 keep them (and so does a
@@ -262,6 +278,7 @@ class Unit:
         unit whose shard was written (``shard_written``); whoever writes ``sharded`` must
         first call ``wait_unshard()`` (a stage 1/2 gather may still be reading it)."""
         self.materialized = True
+        self.stepped = False
         self.drop_secondary()  # made from the old values
         if self.stage.keep_params or (self.pinned and self.is_unsharded):
             self.wait_unshard()
@@ -310,3 +327,16 @@ class Unit:
         if self.sibling_of is not None and setting is None:
             return self.sibling_of.reshard_after_forward
         return self.stage.reshards_after_forward(setting, is_root=self.parent is None)
+
+
+class _CopiedOut:
+    """An all-gather into a layout's own buffer (``rows``): ``wait()`` copies it out into the
+    buffer the parameters view, and lets the gathered one go."""
+
+    def __init__(self, work, layout, wire: torch.Tensor, compute: torch.Tensor):
+        self.work, self.layout, self.wire, self.compute = work, layout, wire, compute
+
+    def wait(self):
+        self.work.wait()
+        self.layout.from_wire(self.wire, into=self.compute)
+        self.wire = None

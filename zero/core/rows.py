@@ -1,0 +1,132 @@
+"""FSDP2's layout: every parameter cut along dim 0, each rank holding its rows of each one.
+
+``fully_shard`` chunks each parameter like ``torch.chunk``: with ``c = ceil(d0 / N)`` rows a
+chunk, rank r holds rows ``[r*c, (r+1)*c)`` clipped to ``d0`` (the last ranks may hold fewer
+rows, or none). A rank's shard is its chunks laid end to end, each padded to c rows, so every
+shard has the same size S = sum of c*row over the unit. The all-gather's buffer is then
+*rank-major*; the parameters need it *parameter-major*::
+
+    gathered (N, S):      | r0: p0 rows 0-1 | p1 rows 0-2 || r1: p0 rows 2-3 | p1 rows 3-5 |
+    compute (N*S,):       | p0: rows 0-3 (+ padding)     || p1: rows 0-5 (+ padding)     |
+
+So after each all-gather the rows are copied out into the buffer the parameters view
+(``from_wire``, one ``split_with_sizes_copy``, as FSDP2 does), and before each reduce-scatter
+the gradient is copied back in (``to_wire``, one ``cat``, FSDP2's ``_chunk_cat``). The buffers
+are FSDP2's, element for element, so the sums over ranks happen in FSDP2's order at any world
+size. Each rank's parameters are ``DTensor``s with ``Shard(0)`` placement, of the full logical
+shape, whose local tensors are its rows: views into the unit's shard, as FSDP2 shows them, so
+that code written for FSDP2 (torch's ``clip_grad_norm_``, DCP's state dicts) works unchanged.
+
+The interface is ``zero/core/flat.py``'s (its note); pure index math but for ``exposed``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from zero.comm import backend
+from zero.core.flat import LocalShard, Piece, ShardInfo
+
+
+def local_tensor(t):
+    """The local tensor of a DTensor (this rank's rows), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class RowsLayout:
+    """FSDP2's dim-0 chunks (see the module docstring).
+
+    Args:
+        shapes: the parameters' shapes, each at least 1-d (FSDP2 rejects 0-d parameters).
+        world_size: N.
+    """
+
+    name = "rows"
+    copies = True  # gathered rank-major, computed parameter-major
+    empty_pieces_get_grads = True  # FSDP2 gives an empty local gradient to a rank with no rows
+
+    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
+        self.shapes = [torch.Size(s) for s in shapes]
+        if any(len(s) == 0 for s in self.shapes):
+            raise ValueError("layout='rows' cuts each parameter along dim 0, and a 0-d parameter "
+                             "has none (FSDP2 rejects it too): make it 1-d (shape (1,)), or "
+                             "use layout='flat'")
+        n = self.world_size = world_size
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.numel = sum(self.numels)
+        self.row = [math.prod(s[1:]) for s in self.shapes]  # elements per row
+        self.chunk_rows = [-(-s[0] // n) for s in self.shapes]  # c: rows of a full chunk
+        self.chunk = [c * r for c, r in zip(self.chunk_rows, self.row)]  # its elements, padded
+        self.seg = [sum(self.chunk[:i]) for i in range(len(self.chunk))]  # where, in a shard
+        self.shard_numel = sum(self.chunk)
+        self.padded_numel = n * self.shard_numel
+        # the compute buffer: parameter i in its own region of N chunks, rows 0.. then padding
+        self.offsets = [n * s for s in self.seg]
+
+    def shard(self, rank: int) -> ShardInfo:
+        return ShardInfo(offset=rank * self.shard_numel, size=self.shard_numel)
+
+    def rows_of(self, i: int, rank: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` of parameter i that ``rank`` holds (``torch.chunk``'s)."""
+        c, d0 = self.chunk_rows[i], self.shapes[i][0]
+        return min(rank * c, d0), min((rank + 1) * c, d0)
+
+    def pieces(self, rank: int) -> list[Piece]:
+        out = []
+        for i in range(len(self.shapes)):
+            lo, hi = self.rows_of(i, rank)
+            if hi > lo and self.row[i]:
+                out.append(Piece(i, param_offset=lo * self.row[i], shard_offset=self.seg[i],
+                                 length=(hi - lo) * self.row[i]))
+        return out
+
+    def local(self, rank: int) -> LocalShard:
+        return LocalShard(self, rank)
+
+    def views(self, compute: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters in the compute buffer: one ``split``, each parameter's rows first."""
+        sizes = [x for numel, c in zip(self.numels, self.chunk)
+                 for x in (numel, self.world_size * c - numel)]
+        parts = compute.split(sizes)
+        return [parts[2 * i].view(s) for i, s in enumerate(self.shapes)]
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A compute buffer holding ``tensors`` (zero padding)."""
+        compute = tensors[0].new_zeros(self.padded_numel)
+        for v, t in zip(self.views(compute), tensors):
+            v.copy_(t)
+        return compute
+
+    def _regions(self, compute: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's region of the compute buffer as (N, c*row): row r is rank r's chunk."""
+        return [compute[o : o + self.world_size * c].view(self.world_size, c)
+                for o, c in zip(self.offsets, self.chunk)]
+
+    def from_wire(self, wire: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """(N*S,) rank-major -> the parameter-major compute buffer (``into``, if given)."""
+        compute = wire.new_empty(self.padded_numel) if into is None else into
+        if self.padded_numel:
+            torch.split_with_sizes_copy(wire.view(self.world_size, self.shard_numel), self.chunk,
+                                        dim=1, out=self._regions(compute))
+        return compute
+
+    def to_wire(self, compute: torch.Tensor) -> torch.Tensor:
+        """The parameter-major compute buffer (a gradient) -> (N*S,) rank-major, a new buffer."""
+        if not self.padded_numel:
+            return compute.new_empty(0)
+        return torch.cat(self._regions(compute), dim=1).view(-1)
+
+    def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
+        """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a ``Shard(0)`` DTensor of
+        the full shape over the unit's group, whose local tensor views ``piece``."""
+        lo, hi = self.rows_of(i, rank)
+        shape = self.shapes[i]
+        mesh = DeviceMesh.from_group(group or backend.world(), piece.device.type)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, [Shard(0)],
+                                  run_check=False, shape=shape, stride=stride)
