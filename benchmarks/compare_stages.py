@@ -34,7 +34,7 @@ from zerolab.measure import CommBytes  # noqa: E402
 from zerolab.trackers import (  # noqa: E402
     MODEL_STATES, MODEL_STATES_AND_COMM, PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker)
 from zerolab.models import GPT, GPTConfig, LoRAStack  # noqa: E402
-from zerolab.systems import KINDS, System  # noqa: E402
+from zerolab.systems import KINDS, WRAPS, System  # noqa: E402
 
 # ---- defaults (a small GPT that runs in about a minute on 2 CPU cores) ---------------------
 WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB, HEADS = 2, 4, 128, 64, 8, 512, 4
@@ -59,7 +59,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     base = make_model(args).to(device)
-    layout = {"layout": args.layout} if kind.startswith("zero") else {}
+    layout = {"layout": args.layout, "wrap": args.wrap} if kind.startswith("zero") else {}
     system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"),
                     **layout)
     losses = []
@@ -97,6 +97,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "ledger": ledger.sent_bytes(),
         "buffers": {op: sum(r.buffer_bytes for r in ledger.select(op)) for op in
                     ("all_gather", "reduce_scatter")},
+        "counts": {op: ledger.count(op) for op in ("all_gather", "reduce_scatter", "all_reduce")},
         "memory": {getattr(k, "value", k): v for k, v in peak_snapshot.items()},
         "peaks": {getattr(k, "value", k): v for k, v in mem.category_peaks.get(device, {}).items()},
         "model_states_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES, 0),
@@ -186,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fine-tuning: blocks of a frozen base and a trainable low-rank adapter "
                         f"(LoRA, rank {LORA_RANK}), AdamW on the adapters")
     p.add_argument("--no-time", action="store_true", help="skip the timed steps")
+    p.add_argument("--wrap", default="units", choices=WRAPS,
+                   help="which modules become our units: the model's (one per block), pairs of "
+                        "blocks, FSDP1's size-based policy at a threshold, or the root only "
+                        "(benchmarks/wrap.py compares them)")
     p.add_argument("--layout", default="flat", choices=["flat", "rows", "whole"],
                    help="our stages' shard layout (notes/16-layouts.md; benchmarks/layouts.py "
                         "compares the three)")

@@ -145,6 +145,7 @@ SCHEDULE = ("its model-state peaks are zerolab.memory.schedule's, which tests/te
             "a run takes 10-20 s")
 FIGURES = {
     "flat_layout": RERUN,
+    "layouts": RERUN,
     "flat_autograd": RERUN,
     "collectives": RERUN,
     "gloo_order": RERUN,

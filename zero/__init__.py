@@ -22,6 +22,7 @@ one layer a folder; no file imports one above it:
 from zero.checkpoint import load, save
 from zero.clip import clip_grad_norm_
 from zero.comm import CollectiveTimeout, Disagreement, Ledger
+from zero.fully_shard import fully_shard
 from zero.controls import (
     reshard,
     set_modules_to_backward_prefetch,
@@ -45,6 +46,7 @@ __all__ = [
     "ShardedGradScaler",
     "clip_grad_norm_",
     "full_state_dict",
+    "fully_shard",
     "init_parameters",
     "load",
     "load_full_state_dict",

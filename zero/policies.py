@@ -48,10 +48,24 @@ def layout_class(layout):
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Args:
-    param_dtype: dtype of the gathered parameters and of the computation (None: as stored).
-    reduce_dtype: dtype of the gradient reduce-scatter (None: ``param_dtype``).
+    """FSDP2's ``MixedPrecisionPolicy``, field for field (``from_torch`` converts one).
+
+    Args:
+        param_dtype: dtype of the gathered parameters and of the computation (None: as stored).
+        reduce_dtype: dtype of the gradient reduce-scatter (None: ``param_dtype``).
+        output_dtype: dtype the unit's floating outputs are cast to (None: as computed).
+        cast_forward_inputs: cast the unit's floating inputs to ``param_dtype``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @classmethod
+    def from_torch(cls, policy) -> "MixedPrecision":
+        """The same policy from torch's ``MixedPrecisionPolicy`` (or a ``MixedPrecision``)."""
+        if isinstance(policy, cls):
+            return policy
+        return cls(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
+                   policy.cast_forward_inputs)

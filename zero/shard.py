@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero import comm, torch_hooks
+from zero import comm, torch_hooks, wrap
 from zero.comm.flat_collectives import FlatCollectives
 from zero.core import hooks, registry
 from zero.core.registry import piece_of, unit_of, units_of, units_on
@@ -34,7 +34,7 @@ __all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
 def shard(
     module: nn.Module | list[nn.Module],
     *,
-    stage: int = 3,
+    stage: int | None = None,
     group=None,
     mp_policy: MixedPrecision | None = None,
     reshard_after_forward: bool | None = None,
@@ -46,6 +46,9 @@ def shard(
     comm_policy=None,
     sync_module_states: bool = False,
     layout="flat",
+    auto_wrap_policy=None,
+    sharding_strategy=None,
+    _leave: frozenset = frozenset(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
@@ -54,8 +57,8 @@ def shard(
             modules makes one unit of all of them (FSDP2's ``fully_shard([a, b])``): an
             embedding and the head tied to it, say; the unit is gathered from the first of
             them to run forward until all have run.
-        stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters). All units of one
-            model use one stage.
+        stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters; the default). All
+            units of one model use one stage.
         group: the process group (default: the world).
         mesh: instead of ``group``, a ``DeviceMesh`` as FSDP2's ``fully_shard`` takes it: 1-D,
             shard over it; 2-D with dims (replicate, shard), HSDP: shard within each row of
@@ -94,6 +97,14 @@ def shard(
             whole on one rank, for optimizers that read whole tensors: Adafactor, Muon). All
             units of one model use one layout. notes/16-layouts.md compares them.
 
+        auto_wrap_policy: one of ``torch.distributed.fsdp.wrap``'s policies
+            (``ModuleWrapPolicy({Block})``, ``size_based_auto_wrap_policy``...): called once on
+            the whole model, make a unit of every module FSDP1 would wrap, bottom-up, then of
+            the root (``zero/wrap.py``).
+        sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
+            (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
+            of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
+
     Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
     trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
     are gathered together, and at stage 3 the frozen one is freed once the gradient of the
@@ -103,8 +114,17 @@ def shard(
         ``module``, whose parameters are now this rank's pieces (same names). Build the
         optimizer after this call.
     """
+    if auto_wrap_policy is not None or sharding_strategy is not None:
+        kwargs = dict(group=group, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                      device=device, ignored_params=ignored_params, secondary_group=secondary_group,
+                      comm_policy=comm_policy, sync_module_states=sync_module_states,
+                      layout=layout)
+        return _shard_by_policy(module, stage, mesh, auto_wrap_policy, sharding_strategy, kwargs)
+    stage = 3 if stage is None else stage
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    ignored = {id(p) for p in ignored_params or ()}
+    if type(mp_policy).__name__ == "MixedPrecisionPolicy":  # torch's: the same four fields
+        mp_policy = MixedPrecision.from_torch(mp_policy)
+    ignored = {id(p) for p in ignored_params or ()} | set(_leave)  # (_leave: for a unit above)
     group, replicate_group, all_group = _groups(group, mesh)
     if secondary_group is not None:
         comm.name_group(secondary_group, "intra-node")
@@ -150,7 +170,8 @@ def shard(
     comm_policy = comm_policy or FlatCollectives()
     units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
                   group, mp_policy, reshard_after_forward, device, replicate_group,
-                  secondary_group, all_group, comm_policy, layout) for g in groups]
+                  secondary_group, all_group, comm_policy, layout,
+                  mesh if mesh is not None and mesh.ndim == 1 else None) for g in groups]
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
     for sibling in units[1:]:
@@ -232,6 +253,28 @@ def _take_rank0_values(modules, params, group) -> None:
                 t.copy_(part.view_as(t))
 
 
+def _shard_by_policy(model, stage, mesh, policy, strategy, kwargs):
+    """FSDP1's one call: units where the policy says, bottom-up, then the root."""
+    if isinstance(model, (list, tuple)):
+        raise TypeError("auto_wrap_policy and sharding_strategy take one model, not a list")
+    if strategy is not None:
+        device = next(iter(model.parameters()), None)
+        device_type = device.device.type if device is not None else "cpu"
+        stage, mesh = wrap.stage_and_mesh(strategy, stage, mesh, dist.get_world_size(
+            kwargs["group"]), device_type)
+    stage = 3 if stage is None else stage
+    if kwargs["reshard_after_forward"] is not None and stage != 3:
+        kwargs["reshard_after_forward"] = None  # (the strategy decides: ZeRO-2 keeps them)
+    if policy is not None:
+        chosen = wrap.units_by_policy(model, policy, kwargs["ignored_params"])
+        for module in chosen:
+            # A tied parameter belongs to the lowest unit holding all its users (FSDP1 would
+            # put it in the first unit wrapping one of them): leave it to a unit above.
+            shard(module, stage=stage, mesh=mesh, _leave=wrap.shared_outside(model, module),
+                  **kwargs)
+    return shard(model, stage=stage, mesh=mesh, **kwargs)
+
+
 def _groups(group, mesh):
     """(shard group, replicate group or None, the group of every rank) from FSDP2's ``mesh``."""
     if mesh is None:
@@ -264,7 +307,8 @@ def _check(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forwar
     if reshard_after_forward is not None and stage != 3:
         raise ValueError("reshard_after_forward only applies to stage 3; leave it None")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
-        raise TypeError("mp_policy must be a zero.MixedPrecision")
+        raise TypeError("mp_policy must be a zero.MixedPrecision or torch's "
+                        "MixedPrecisionPolicy")
     for module in modules:
         if registry.unit_on(module) is not None:
             raise RuntimeError(

@@ -65,11 +65,14 @@ class System:
         mesh_shape: (replicas, shards): HSDP for ours and FSDP2 (default: one flat group).
         ranks_per_node: ours at stage 3: hpZ, a secondary shard over groups of this many ranks.
         layout: ours: which rank holds which element ("flat", "rows", "whole").
+        wrap: ours: which modules become units (``WRAPS``): "units" (the model's ``units()``,
+            one per block), "pairs" (one per two blocks), "size-<n>" (FSDP1's size-based
+            policy, ``min_num_params=n``), "root" (one unit for the whole model).
     """
 
     def __init__(self, kind: str, base: nn.Module, opt: str = "adamw", mp: bool = False,
                  reshard_after_forward: bool | None = None, mesh_shape: tuple | None = None,
-                 ranks_per_node: int | None = None, layout: str = "flat"):
+                 ranks_per_node: int | None = None, layout: str = "flat", wrap: str = "units"):
         self.kind, self.base = kind, base
         model = copy.deepcopy(base)
         if kind == "replicated":
@@ -118,7 +121,9 @@ class System:
                 nodes = dist.get_world_size() // ranks_per_node
                 node_mesh = init_device_mesh(device, (nodes, ranks_per_node))
                 hybrid["secondary_group"] = node_mesh.get_group(1)
-            for unit in model.units():
+            if wrap != "units":
+                wrap_units(model, wrap, stage=int(kind[-1]), mp_policy=policy, layout=layout)
+            for unit in model.units() if wrap == "units" else []:
                 rafa = reshard_after_forward if unit is not model else None
                 unit_policy = None if any(unit is m for m in fp32_units) else policy
                 zero.shard(unit, stage=int(kind[-1]), mp_policy=unit_policy,
@@ -174,6 +179,30 @@ class System:
         self.opt.step()
         self.opt.zero_grad()
         return torch.stack(losses), norm
+
+
+WRAPS = ("units", "pairs", "size-20000", "size-100000", "root")
+
+
+def wrap_units(model: nn.Module, wrap: str, **kwargs) -> None:
+    """Units of another size than the model's own (benchmarks/wrap.py): two blocks a unit, FSDP1's
+    size-based policy at a threshold, or the whole model as one unit."""
+    if wrap == "pairs":
+        blocks = list(model.blocks)
+        for i in range(0, len(blocks), 2):
+            zero.shard(blocks[i : i + 2], **kwargs)
+        zero.shard(model, **kwargs)
+    elif wrap.startswith("size-"):
+        import functools
+
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=int(wrap[5:]))
+        zero.shard(model, auto_wrap_policy=policy, **kwargs)
+    elif wrap == "root":
+        zero.shard(model, **kwargs)
+    else:
+        raise ValueError(f"unknown wrap {wrap!r}: one of {WRAPS}")
 
 
 def average_gradients(model: nn.Module) -> None:

@@ -28,16 +28,39 @@ from zero.comm import backend, collectives
 from zero.core.flat import LocalShard
 
 
-def divide_factors(dtype: torch.dtype, n: int) -> tuple[float | None, float | None]:
-    """How the mean over n ranks is taken. fp32/bf16: the collective's own average (None).
-    Other dtypes (fp16) could overflow in the sum: FSDP2 divides by a power of two near
-    sqrt(n) before summing and by the rest after; so do we, to match it bit for bit."""
-    if dtype in (torch.float32, torch.bfloat16) or n == 1:
-        return None, None
+class Division(NamedTuple):
+    """How the reduction divides: what to do to the gradient before the reduce-scatter, which
+    reduce ops to use, and what to divide the reduced shard by after."""
+
+    premul: float | None  # multiply by this first (FSDP2's PREMUL_SUM, which gloo lacks)
+    pre: float | None  # divide by this first (fp16: part of the mean, against overflow)
+    post: float | None  # divide the reduced shard by this
+    op: str  # the reduce-scatter's op
+    replicas_op: str  # HSDP's all-reduce over the replicas
+
+
+def divide_factors(dtype: torch.dtype, n: int, replicas: int = 1, factor: float | None = None,
+                   force_sum: bool = False) -> Division:
+    """FSDP2's arithmetic for the mean over ``n`` ranks (times ``replicas``), bit for bit
+    (``_get_gradient_divide_factors``). fp32/bf16: the collective's own average, or, with a
+    ``factor`` (``set_gradient_divide_factor``), a sum of the gradients times 1/factor. Other
+    dtypes (fp16) could overflow in the sum: divide by a power of two near sqrt(factor) before
+    summing and by the rest after. ``force_sum`` (``set_force_sum_reduction_for_comms``): only
+    sums on the wire, the whole division after."""
+    overflow = dtype not in (torch.float32, torch.bfloat16)
+    if not overflow and not force_sum:
+        if factor is None:
+            return Division(None, None, None, "avg", "avg")
+        if factor == n:
+            return Division(None, None, None, "avg", "sum")
+        return Division(1 / factor, None, None, "sum", "sum")
+    factor = float(n * replicas) if factor is None else factor
+    if not overflow:
+        return Division(None, None, factor, "sum", "sum")
     pre = 1
-    while n % pre == 0 and n / pre > pre:
+    while factor % pre == 0 and factor / pre > pre:
         pre *= 2
-    return pre, n / pre
+    return Division(None, pre, factor / pre, "sum", "sum")
 
 
 class Reduction(NamedTuple):
@@ -45,7 +68,7 @@ class Reduction(NamedTuple):
 
     work: Any  # its handle
     grad: torch.Tensor  # the full flat gradient in reduce_dtype; the shard lands in its slot
-    post: float | None  # the part of the mean's division left for after the sum (fp16)
+    division: Division  # what is left to do after the sum
     keep: bool  # stage 1: the full gradient is kept, the shard stays a view of its slot
 
 
@@ -62,15 +85,20 @@ class Gradient:
         group: the ranks that shard the unit; replicate_group: HSDP's replicas, or None.
         comm: how the full gradient is reduce-scattered (``zero/comm/flat_collectives.py``).
         name: the unit's name, for the ledger.
+        placement: where a DTensor gradient is placed (``Unit.placement``).
     """
 
     def __init__(self, leaf: torch.Tensor, params: list, local: LocalShard, master: torch.Tensor,
-                 reduce_dtype, keeps_full: bool, group, replicate_group, comm, name: str):
+                 reduce_dtype, keeps_full: bool, group, replicate_group, comm, name: str,
+                 placement=None):
         self.leaf, self.params, self.local, self.master = leaf, params, local, master
         self.reduce_dtype, self.keeps_full = reduce_dtype, keeps_full
         self.group, self.replicate_group, self.comm, self.name = group, replicate_group, comm, name
+        self.placement = placement if placement is not None else group
         self.replicas = 1 if replicate_group is None else backend.world_size(replicate_group)
         self.world_size = backend.world_size(group)
+        self.divide_factor: float | None = None  # FSDP2's set_gradient_divide_factor
+        self.force_sum = False  # FSDP2's set_force_sum_reduction_for_comms
         self.unsynced: torch.Tensor | None = None  # no_sync micro-batches, in reduce_dtype
         self.reduction: Reduction | None = None  # a reduce-scatter in flight
         self.reduced: torch.Tensor | None = None  # the reduced shard, not yet handed out
@@ -116,30 +144,33 @@ class Gradient:
         kept = self.keeps_full and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         grad = self.local.layout.to_wire(grad)  # (rows: rank-major, a copy; others: as it is)
-        pre, post = divide_factors(grad.dtype, self.world_size * self.replicas)
-        if pre is not None:
-            grad.div_(pre)  # fp16: half of the mean's division before the sum, half after
-        work = self.comm.reduce_scatter(grad, self.local.slot, op="avg" if pre is None else "sum",
-                                        group=self.group, unit=self.name, phase="backward")
+        d = divide_factors(grad.dtype, self.world_size, self.replicas, self.divide_factor,
+                           self.force_sum)
+        if d.premul is not None:
+            grad.mul_(d.premul)  # a divide factor of the user's: sum(g * 1/factor)
+        if d.pre is not None:
+            grad.div_(d.pre)  # fp16: half of the mean's division before the sum, half after
+        work = self.comm.reduce_scatter(grad, self.local.slot, op=d.op, group=self.group,
+                                        unit=self.name, phase="backward")
         # Stage 1 keeps every full gradient until the step anyway (gradients: Ψ, as in DDP);
         # stages 2/3 copy the slot out when it arrives and free the rest (not an upcast copy:
         # keeping it for one slot would cost the whole copy).
-        self.reduction = Reduction(work, grad, post, kept)
+        self.reduction = Reduction(work, grad, d, kept)
 
     def wait_reduce(self) -> None:
         if self.reduction is None:
             return
-        work, grad, post, keep = self.reduction
+        work, grad, d, keep = self.reduction
         work.wait()
         self.reduction = None
         slot = self.local.slot
         shard = grad[slot] if keep else grad[slot].clone()  # frees the full one
         if self.replicate_group is not None:
             # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
-            collectives.all_reduce(shard, op="avg" if post is None else "sum",
-                                   group=self.replicate_group, unit=self.name, phase="backward")
-        if post is not None and post != 1:
-            shard.div_(post)
+            collectives.all_reduce(shard, op=d.replicas_op, group=self.replicate_group,
+                                   unit=self.name, phase="backward")
+        if d.post is not None and d.post != 1:
+            shard.div_(d.post)
         if self.reduced is None:
             self.reduced = shard  # assign hands it out at the end of backward
         else:
@@ -192,7 +223,7 @@ class Gradient:
         g = self.local.piece(shard, i)
         if not g.numel() and not self.local.layout.empty_pieces_get_grads:
             return None
-        return self.local.layout.exposed(g, i, self.local.rank, self.group)
+        return self.local.layout.exposed(g, i, self.local.rank, self.placement)
 
     def _unmark(self) -> None:
         for i, marker in self._zero_markers.items():

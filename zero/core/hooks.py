@@ -95,6 +95,8 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
 
 
 def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
+    if unit.output_dtype is not None:  # (a recompute too: reentrant backward matches dtypes)
+        output = map_tensors(unit.cast_output, output)
     if in_backward():
         return output  # activation-checkpoint recompute: backward still needs everything
     if unit.reshard_after_forward and torch.is_grad_enabled():

@@ -38,6 +38,16 @@ def local_tensor(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+_MESHES: dict = {}  # (group, device type) -> its 1-D DeviceMesh, made once
+
+
+def _mesh(group, device_type: str) -> DeviceMesh:
+    key = (group or backend.world(), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(key[0], device_type)
+    return _MESHES[key]
+
+
 class RowsLayout:
     """FSDP2's dim-0 chunks (see the module docstring).
 
@@ -123,10 +133,11 @@ class RowsLayout:
 
     def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
         """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a ``Shard(0)`` DTensor of
-        the full shape over the unit's group, whose local tensor views ``piece``."""
+        the full shape over the unit's group (or the 1-D ``DeviceMesh`` given as ``group``),
+        whose local tensor views ``piece``."""
         lo, hi = self.rows_of(i, rank)
         shape = self.shapes[i]
-        mesh = DeviceMesh.from_group(group or backend.world(), piece.device.type)
+        mesh = group if isinstance(group, DeviceMesh) else _mesh(group, piece.device.type)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, [Shard(0)],
                                   run_check=False, shape=shape, stride=stride)

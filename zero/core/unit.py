@@ -77,11 +77,13 @@ class Unit:
         comm: how the unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``).
         layout: which rank holds which element: a class like ``FlatLayout``
             (``zero/core/flat.py``), made from the parameters' shapes and the world size.
+        mesh: the 1-D ``DeviceMesh`` of ``group``, if the user gave one: DTensor parameters
+            (layout "rows") are placed on it.
     """
 
     def __init__(self, modules, params, locations, stage, group, mp_policy, reshard_after_forward,
                  device, replicate_group=None, secondary_group=None, all_group=None,
-                 comm=DEFAULT_COLLECTIVES, layout=FlatLayout):
+                 comm=DEFAULT_COLLECTIVES, layout=FlatLayout, mesh=None):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.module = modules[0]
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
@@ -91,13 +93,16 @@ class Unit:
         self.replicate_group, self.secondary_group = replicate_group, secondary_group
         self.all_group = all_group if all_group is not None else group  # every rank training
         self.comm = comm
+        self.placement = mesh if mesh is not None else group  # where DTensors are placed
         self.locations = locations  # per parameter: the (module, attribute) pairs that use it
         self.layout = layout([p.shape for p in params], self.world_size)
         self.local = self.layout.local(self.rank)  # our slot and pieces
         dtype = params[0].dtype if params else torch.float32
         self.param_dtype = (mp_policy and mp_policy.param_dtype) or dtype
         self.reduce_dtype = (mp_policy and mp_policy.reduce_dtype) or self.param_dtype
-        self.cast_inputs = mp_policy is not None and mp_policy.param_dtype is not None
+        self.cast_inputs = (mp_policy is not None and mp_policy.param_dtype is not None
+                            and getattr(mp_policy, "cast_forward_inputs", True))
+        self.output_dtype = getattr(mp_policy, "output_dtype", None)
         self.reshard_after_forward_setting = reshard_after_forward  # stage 3; None: by role
         self.requires_grad_sync = True
         self.parent: Unit | None = None
@@ -140,7 +145,7 @@ class Unit:
         self.grads = Gradient(self.unsharded, self.params, self.local, self.sharded,
                               self.reduce_dtype,
                               stage.keeps_full_gradient(self.param_dtype, self.reduce_dtype, dtype),
-                              group, replicate_group, comm, self.name)
+                              group, replicate_group, comm, self.name, self.placement)
         self.sharded_state = ShardedState.UNSHARDED
         self._gather_work = None  # GATHERING: the all-gather in flight
         self._secondary: torch.Tensor | None = None  # SECONDARY: hpZ's secondary shard
@@ -153,7 +158,8 @@ class Unit:
             self._free()
 
     def _sharded_param(self, i: int, orig: nn.Parameter) -> nn.Parameter:
-        piece = self.layout.exposed(self.local.piece(self.sharded, i), i, self.rank, self.group)
+        piece = self.layout.exposed(self.local.piece(self.sharded, i), i, self.rank,
+                                    self.placement)
         p = nn.Parameter(piece, requires_grad=orig.requires_grad)
         registry.mark_piece(p, self, i)
         return p
@@ -303,6 +309,10 @@ class Unit:
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """A floating-point forward input, in the compute dtype (mixed precision)."""
         return t.to(self.param_dtype) if t.is_floating_point() else t
+
+    def cast_output(self, t: torch.Tensor) -> torch.Tensor:
+        """A floating-point forward output, in ``MixedPrecision.output_dtype``."""
+        return t.to(self.output_dtype) if t.is_floating_point() else t
 
     def release_after_backward(self) -> None:
         """Backward is done with the parameters: give the module its sharded ones back, and
