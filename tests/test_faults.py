@@ -197,6 +197,21 @@ def test_every_rank_raises_an_error_naming_the_fix(name, tmp_path):
         assert seconds < 10, f"rank {rank} raised after {seconds:.1f} s"
 
 
+def _mismatch_message(rank, n):
+    try:
+        _different_models(rank, 2)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_model_mismatch_names_the_first_parameter_that_differs_first():
+    message = run_ranks(_mismatch_message, 2)[0]
+    head = message.split(". Build")[0]
+    assert head == ("Ranks shard different modules: parameter #0 differs: rank 0: '0.weight' "
+                    "(8, 4) torch.float32; rank 1: '0.weight' (6, 4) torch.float32"), message
+
+
 # ---- default mode: every wait is bounded --------------------------------------------------------
 # Users run without ZERO_CHECK. There a rank left alone in a collective must still raise, on its
 # own, within ZERO_TIMEOUT (zero/comm/waits.py), naming what it waited for, instead of waiting

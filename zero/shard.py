@@ -155,8 +155,12 @@ def shard(
     if comm_policy is not None:
         desc.append(type(comm_policy).__name__)
     desc.append(("values", any(p.is_meta for p in params), sync_module_states))
-    comm.agree(f"shard {desc}", group=all_group, error=ValueError,
-               fix=f"Ranks shard different modules: build {agreed}")
+    try:
+        comm.agree(f"shard {desc}", group=all_group, error=ValueError,
+                   fix=f"Ranks shard different modules: build {agreed}")
+    except ValueError as e:  # every rank is here: name what differs first, then the rest
+        raise ValueError(f"Ranks shard different modules: {_first_difference(desc, all_group)}. "
+                         f"Build {agreed}. (In full: {e})") from None
     if sync_module_states:
         _take_rank0_values(modules, params, all_group)
     elif not any(p.is_meta for p in params):  # (on the meta device: no values yet)
@@ -273,6 +277,29 @@ def _shard_by_policy(model, stage, mesh, policy, strategy, kwargs):
             shard(module, stage=stage, mesh=mesh, _leave=wrap.shared_outside(model, module),
                   **kwargs)
     return shard(model, stage=stage, mesh=mesh, **kwargs)
+
+
+_FIELDS = ["the modules' classes", "stage", "mp_policy", "reshard_after_forward",
+           "broadcast_buffers", "ignored_params"]
+
+
+def _first_difference(desc: list, group) -> str:
+    """The first entry of the ranks' ``zero.shard`` descriptions that differs, in words."""
+    every = comm.all_gather_object(desc, group=group)
+    for k in range(max(len(d) for d in every)):
+        items = [d[k] if k < len(d) else None for d in every]
+        if all(item == items[0] for item in items):
+            continue
+        if k < len(_FIELDS):
+            return f"{_FIELDS[k]} differs: " + "; ".join(
+                f"rank {r}: {item!r}" for r, item in enumerate(items))
+        if all(isinstance(item, tuple) and len(item) == 4 for item in items):  # a parameter
+            said = [f"rank {r}: {name!r} {tuple(shape)} {dtype}"
+                    f"{'' if rg else ' (frozen)'}" for r, (name, shape, dtype, rg) in
+                    enumerate(items)]
+            return f"parameter #{k - len(_FIELDS)} differs: " + "; ".join(said)
+        return "; ".join(f"rank {r}: {item!r}" for r, item in enumerate(items))
+    return "their descriptions differ"
 
 
 def _groups(group, mesh):
