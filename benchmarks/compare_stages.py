@@ -34,7 +34,7 @@ from zerolab.measure import CommBytes  # noqa: E402
 from zerolab.trackers import (  # noqa: E402
     MODEL_STATES, MODEL_STATES_AND_COMM, PeakFSDPMemTracker, PeakMemTracker, ZeroMemTracker)
 from zerolab.models import GPT, GPTConfig, LoRAStack  # noqa: E402
-from zerolab.systems import KINDS, WRAPS, System  # noqa: E402
+from zerolab.systems import FAMILY, KINDS, WRAPS, System, stage_of  # noqa: E402
 
 # ---- defaults (a small GPT that runs in about a minute on 2 CPU cores) ---------------------
 WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB, HEADS = 2, 4, 128, 64, 8, 512, 4
@@ -47,7 +47,7 @@ SWEEP_SIZES = [(2, 64), (4, 128), (4, 256)]  # (layers, dim): 0.12M to 3.3M para
 SWEEP_WORLD_SIZES = [1, 2, 4]
 SWEEP_KINDS = ["ddp", "zero1", "zero2", "zero3"]
 PAPER_STAGE = {"ddp": 0, "ddp+zro": 1, "zero1": 1, "zero2": 2, "zero3": 3,
-               "fsdp2-noreshard": 2, "fsdp2": 3}
+               "fsdp2-noreshard": 2, "fsdp2": 3, "zero3-offload": 3, "zero3-qwz": 3}
 
 
 def measure(rank: int, n: int, kind: str, args) -> dict:
@@ -114,7 +114,7 @@ def _schedule(kind, system, n, args) -> dict:
     if not kind.startswith("zero") or args.mixed_precision or args.frozen:
         return {}
     units = zero.units_of(system.model)
-    return {"schedule": schedule([u.layout.padded_numel for u in units], int(kind[-1]), n,
+    return {"schedule": schedule([u.layout.padded_numel for u in units], stage_of(kind), n,
                                  sum(len(u.params) for u in units)),
             "largest_unit": max(u.layout.padded_numel for u in units)}
 
@@ -174,8 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=positive_int, default=BATCH, help="per rank")
     p.add_argument("--steps", type=int_in(0, MAX_STEPS), default=STEPS,
                    help=f"timed steps (after warm-up), at most {MAX_STEPS}")
-    p.add_argument("--systems", type=comma_list(KINDS), default=list(KINDS),
-                   help=f"comma list of {KINDS}")
+    p.add_argument("--systems", type=comma_list(KINDS + FAMILY), default=list(KINDS),
+                   help=f"comma list of {KINDS} (the default), or of the rest of the ZeRO family "
+                        f"{FAMILY}")
     p.add_argument("--mixed-precision", action="store_true",
                    help="bf16 compute, fp32 reduce (ours and FSDP2; DDP stays fp32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

@@ -9,6 +9,7 @@ import platform
 import torch
 
 from zerolab.memory import model_state_bytes, traffic_in_psi
+from zerolab.systems import stage_of as stage_number
 
 CATEGORIES = {  # our column: MemTracker's and FSDPMemTracker's category names
     "params": ("Parameter", "Sharded Param", "Unsharded Param"),
@@ -107,7 +108,7 @@ def targets_table(rows, n) -> list[str]:
                    f"{'met' if ratio <= 1.05 else 'missed'} |")
     for r in rows:  # the paper's formula plus one unit's parameters and gradients, 2% slack
         if "largest_unit" in r:
-            bound = model_state_bytes(r["psi"], n, int(r["kind"][-1]), False) + 8 * r["largest_unit"]
+            bound = model_state_bytes(r["psi"], n, stage_number(r["kind"]), False) + 8 * r["largest_unit"]
             ratio = r["model_states_peak"] / bound
             out.append(f"| {r['kind']} model states / (paper + one unit's params and grads) "
                        f"| {ratio:.3f} | <= 1.02: {'met' if ratio <= 1.02 else 'missed'} |")
@@ -123,7 +124,7 @@ def formula_table(rows, n) -> list[str]:
            "| = schedule | measured | measured / schedule |", "|---" * 7 + "|"]
     for r in ours:
         s = r["schedule"]
-        paper = model_state_bytes(r["psi"], n, int(r["kind"][-1]), False)
+        paper = model_state_bytes(r["psi"], n, stage_number(r["kind"]), False)
         out.append(f"| {r['kind']} | {_mib(paper)} | {_mib(s['at_rest'])} | {_mib(s['in_flight'])} "
                    f"| {_mib(s['peak'])} | {_mib(r['model_states_peak'])} "
                    f"| {r['model_states_peak'] / s['peak']:.4f} |")

@@ -74,12 +74,17 @@ def simulate(params: float, world_size: int, stage: int, mixed_precision: bool =
              rank: int = 0, hybrid: str | None = None, ranks_per_node: int = 8) -> dict:
     """One training step of rank ``rank`` of ``world_size``, on fake tensors; its memory, and
     the collectives it issued. ``hybrid``: "hsdp" (shard within a node of ``ranks_per_node``
-    ranks, replicate across nodes) or "hpz" (stage 3, a secondary shard per node)."""
+    ranks, replicate across nodes) or "hpz" (stage 3, a secondary shard per node); or the rest
+    of the family: "offload" (the shards on the host) or "qwz" (int8 weight all-gathers)."""
     cfg = gpt_config(params)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         kw = {}
-        if hybrid:  # a mesh of (nodes, ranks per node), made outside FakeTensorMode
+        if hybrid == "offload":
+            kw = {"offload_policy": zero.CPUOffload(pin_memory=False)}
+        elif hybrid == "qwz":
+            kw = {"comm_policy": zero.QuantizedWeights()}
+        elif hybrid:  # a mesh of (nodes, ranks per node), made outside FakeTensorMode
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (world_size // ranks_per_node, ranks_per_node),
@@ -172,6 +177,7 @@ def cluster_table(params: float, world_sizes, cluster: Cluster) -> list[str]:
     for n in world_sizes:
         runs = [("DDP", None, 0)] + [(f"ZeRO-{s}", None, s) for s in (1, 2, 3)]
         runs += [(f"HSDP-{s}", "hsdp", s) for s in (1, 2, 3)] + [("hpZ (ZeRO-3)", "hpz", 3)]
+        runs += [("ZeRO-3 + CPU offload", "offload", 3), ("ZeRO-3 + qwZ", "qwz", 3)]
         for name, hybrid, stage in runs:
             if stage == 0:  # DDP: one all-reduce of the bf16 gradients over every rank
                 cfg = gpt_config(params)

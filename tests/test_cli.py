@@ -38,10 +38,10 @@ CASES = [  # (script, argv, the message after "error: ")
     ("compare_stages", ["--steps", "0"], "--steps must be >= 1 (or pass --no-time)"),
     ("compare_stages", ["--systems", "zero4"],
      "argument --systems: must be a comma list of distinct values from ddp, ddp+zro, zero1, "
-     "zero2, zero3, fsdp2-noreshard, fsdp2, got 'zero4'"),
+     "zero2, zero3, fsdp2-noreshard, fsdp2, zero3-offload, zero3-qwz, got 'zero4'"),
     ("compare_stages", ["--systems", "ddp,ddp"],
      "argument --systems: must be a comma list of distinct values from ddp, ddp+zro, zero1, "
-     "zero2, zero3, fsdp2-noreshard, fsdp2, got 'ddp,ddp'"),
+     "zero2, zero3, fsdp2-noreshard, fsdp2, zero3-offload, zero3-qwz, got 'ddp,ddp'"),
     ("compare_stages", ["--device", "tpu"],
      "argument --device: invalid choice: 'tpu' (choose from 'cpu', 'cuda')"),
     ("compare_stages", ["--out", "{tmp}"],

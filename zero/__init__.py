@@ -22,6 +22,7 @@ one layer a folder; no file imports one above it:
 from zero.checkpoint import load, save
 from zero.clip import clip_grad_norm_
 from zero.comm import CollectiveTimeout, Disagreement, Ledger
+from zero.comm.quantized import QuantizedWeights
 from zero.fully_shard import fully_shard
 from zero.controls import (
     reshard,
@@ -34,15 +35,18 @@ from zero.controls import (
 )
 from zero.grad_scaler import ShardedGradScaler
 from zero.meta_init import init_parameters
+from zero.offload import CPUOffload
 from zero.policies import MixedPrecision
 from zero.shard import no_sync, piece_of, shard, unit_of, units_of, units_on
 from zero.state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
+    "CPUOffload",
     "CollectiveTimeout",
     "Disagreement",
     "Ledger",
     "MixedPrecision",
+    "QuantizedWeights",
     "ShardedGradScaler",
     "clip_grad_norm_",
     "full_state_dict",

@@ -26,6 +26,7 @@ from zero.core import hooks, registry
 from zero.core.registry import piece_of, unit_of, units_of, units_on
 from zero.core.stage import STAGES
 from zero.core.unit import Unit
+from zero.offload import offload_from_torch
 from zero.policies import MixedPrecision, layout_class
 
 __all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
@@ -48,6 +49,7 @@ def shard(
     layout="flat",
     auto_wrap_policy=None,
     sharding_strategy=None,
+    offload_policy=None,
     _leave: frozenset = frozenset(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
@@ -101,6 +103,9 @@ def shard(
             (``ModuleWrapPolicy({Block})``, ``size_based_auto_wrap_policy``...): called once on
             the whole model, make a unit of every module FSDP1 would wrap, bottom-up, then of
             the root (``zero/wrap.py``).
+        offload_policy: ``zero.CPUOffload()`` (or torch's ``CPUOffloadPolicy``): the shards,
+            their gradients and the optimizer state live on the host, and ``opt.step()`` runs
+            there (ZeRO-Offload; ``zero/offload.py``). None: on the compute device.
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
             (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
             of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
@@ -118,9 +123,10 @@ def shard(
         kwargs = dict(group=group, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                       device=device, ignored_params=ignored_params, secondary_group=secondary_group,
                       comm_policy=comm_policy, sync_module_states=sync_module_states,
-                      layout=layout)
+                      layout=layout, offload_policy=offload_policy)
         return _shard_by_policy(module, stage, mesh, auto_wrap_policy, sharding_strategy, kwargs)
     stage = 3 if stage is None else stage
+    offload_policy = offload_from_torch(offload_policy)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if type(mp_policy).__name__ == "MixedPrecisionPolicy":  # torch's: the same four fields
         mp_policy = MixedPrecision.from_torch(mp_policy)
@@ -154,6 +160,8 @@ def shard(
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
     if comm_policy is not None:
         desc.append(type(comm_policy).__name__)
+    if offload_policy is not None:
+        desc.append(repr(offload_policy))
     desc.append(("values", any(p.is_meta for p in params), sync_module_states))
     try:
         comm.agree(f"shard {desc}", group=all_group, error=ValueError,
@@ -175,7 +183,8 @@ def shard(
     units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
                   group, mp_policy, reshard_after_forward, device, replicate_group,
                   secondary_group, all_group, comm_policy, layout,
-                  mesh if mesh is not None and mesh.ndim == 1 else None) for g in groups]
+                  mesh if mesh is not None and mesh.ndim == 1 else None, offload_policy)
+             for g in groups]
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
     for sibling in units[1:]:

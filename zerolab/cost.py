@@ -33,6 +33,8 @@ class Cluster:
     inter_gbs: float  # across nodes (InfiniBand / RoCE), per GPU
     intra_alpha_us: float = 5.0
     inter_alpha_us: float = 10.0
+    host_gbs: float = 25.0  # host <-> device, per GPU (PCIe 4 x16, about 25 GB/s each way)
+    host_alpha_us: float = 10.0
 
 
 def collective_time(op: str, sent_bytes: float, ranks: int, crosses_nodes: bool,
@@ -52,11 +54,15 @@ def crosses_nodes(group: str, ranks: int, cluster: Cluster) -> bool:
 
 
 def step_time(records, cluster: Cluster) -> dict[str, float]:
-    """Seconds of communication per step, by group, and in total, from ledger records."""
+    """Seconds of communication per step, by group, and in total, from ledger records (a copy
+    between host and device, CPU offload's, at the host link's bandwidth: group "host")."""
     out: dict[str, float] = {}
     for r in records:
-        t = collective_time(r.op, r.sent_bytes, r.ranks, crosses_nodes(r.group, r.ranks, cluster),
-                            cluster)
+        if r.op in ("h2d", "d2h"):
+            t = cluster.host_alpha_us * 1e-6 + r.buffer_bytes / (cluster.host_gbs * 1e9)
+        else:
+            t = collective_time(r.op, r.sent_bytes, r.ranks,
+                                crosses_nodes(r.group, r.ranks, cluster), cluster)
         out[r.group] = out.get(r.group, 0.0) + t
     out["total"] = sum(out.values())
     return out

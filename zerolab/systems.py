@@ -25,6 +25,14 @@ import torch.nn as nn
 import zero
 
 KINDS = ("ddp", "ddp+zro", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
+# The rest of the ZeRO family, selectable by name (not in the default comparison): ZeRO-3 with
+# its shards on the host (ZeRO-Offload), and with int8 weight all-gathers (ZeRO++'s qwZ).
+FAMILY = ("zero3-offload", "zero3-qwz")
+
+
+def stage_of(kind: str) -> int:
+    """Our stage in a system's name: "zero2" -> 2, "zero3-offload" -> 3."""
+    return int(kind[4])
 
 
 def _no_decay(name: str) -> bool:
@@ -57,7 +65,7 @@ class System:
     """One training setup: a copy of ``base``, its optimizer, and how to read it back.
 
     Args:
-        kind: one of ``KINDS``.
+        kind: one of ``KINDS`` or ``FAMILY``.
         base: the model to copy (it is not modified).
         opt: "adamw", "sgd" or "adamw_groups".
         mp: bf16 parameters with fp32 reduction (ours and FSDP2 only).
@@ -121,12 +129,16 @@ class System:
                 nodes = dist.get_world_size() // ranks_per_node
                 node_mesh = init_device_mesh(device, (nodes, ranks_per_node))
                 hybrid["secondary_group"] = node_mesh.get_group(1)
+            if kind == "zero3-offload":
+                hybrid["offload_policy"] = zero.CPUOffload()
+            if kind == "zero3-qwz":
+                hybrid["comm_policy"] = zero.QuantizedWeights()
             if wrap != "units":
-                wrap_units(model, wrap, stage=int(kind[-1]), mp_policy=policy, layout=layout)
+                wrap_units(model, wrap, stage=stage_of(kind), mp_policy=policy, layout=layout)
             for unit in model.units() if wrap == "units" else []:
                 rafa = reshard_after_forward if unit is not model else None
                 unit_policy = None if any(unit is m for m in fp32_units) else policy
-                zero.shard(unit, stage=int(kind[-1]), mp_policy=unit_policy,
+                zero.shard(unit, stage=stage_of(kind), mp_policy=unit_policy,
                            reshard_after_forward=rafa, layout=layout, **hybrid)
         self.model = model
         self.opt = make_optimizer(opt, list(model.named_parameters()))

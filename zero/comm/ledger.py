@@ -31,7 +31,8 @@ from zero.comm import backend
 class Record:
     """One collective as seen by this rank."""
 
-    op: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast" or "agree"
+    op: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast", "agree"; or a copy
+    #          between host and device, "h2d" or "d2h" (CPU offload), which sends nothing
     dtype: torch.dtype
     buffer_bytes: int  # size of the full (unsharded) buffer
     sent_bytes: int  # what this rank sends under ring accounting
@@ -109,6 +110,20 @@ def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str,
     nbytes = buffer.numel() * buffer.element_size()
     rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
                  time.perf_counter(), group_name(group), n)
+    for ledger in _ACTIVE:
+        ledger.records.append(rec)
+        if ledger.on_record is not None:
+            ledger.on_record(rec)
+    return rec
+
+
+def record_copy(kind: str, tensor: torch.Tensor, unit: str, phase: str) -> Record | None:
+    """Note a copy between host and device (``kind`` "h2d" or "d2h"): bytes moved, none sent."""
+    if not _ACTIVE:
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    now = time.perf_counter()
+    rec = Record(kind, tensor.dtype, nbytes, 0, unit, phase, now, "host", 1, done=now)
     for ledger in _ACTIVE:
         ledger.records.append(rec)
         if ledger.on_record is not None:

@@ -86,15 +86,17 @@ class Gradient:
         comm: how the full gradient is reduce-scattered (``zero/comm/flat_collectives.py``).
         name: the unit's name, for the ledger.
         placement: where a DTensor gradient is placed (``Unit.placement``).
+        offload: CPU offload (``zero/offload.py``): the reduced shard goes to the host.
     """
 
     def __init__(self, leaf: torch.Tensor, params: list, local: LocalShard, master: torch.Tensor,
                  reduce_dtype, keeps_full: bool, group, replicate_group, comm, name: str,
-                 placement=None):
+                 placement=None, offload=None):
         self.leaf, self.params, self.local, self.master = leaf, params, local, master
         self.reduce_dtype, self.keeps_full = reduce_dtype, keeps_full
         self.group, self.replicate_group, self.comm, self.name = group, replicate_group, comm, name
         self.placement = placement if placement is not None else group
+        self.offload = offload
         self.replicas = 1 if replicate_group is None else backend.world_size(replicate_group)
         self.world_size = backend.world_size(group)
         self.divide_factor: float | None = None  # FSDP2's set_gradient_divide_factor
@@ -164,7 +166,10 @@ class Gradient:
         work.wait()
         self.reduction = None
         slot = self.local.slot
-        shard = grad[slot] if keep else grad[slot].clone()  # frees the full one
+        if self.offload is not None:  # device -> host, where the optimizer steps
+            shard = self.offload.to_host(grad[slot], self.name)
+        else:
+            shard = grad[slot] if keep else grad[slot].clone()  # frees the full one
         if self.replicate_group is not None:
             # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
             collectives.all_reduce(shard, op=d.replicas_op, group=self.replicate_group,

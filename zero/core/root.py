@@ -91,7 +91,7 @@ class Root:
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
         comm.agree(self._since_last_forward(written), group=self.unit.all_group,
-                   device=self.unit.sharded.device,
+                   device=self.unit.unsharded.device,
                    fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "

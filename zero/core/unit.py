@@ -79,11 +79,13 @@ class Unit:
             (``zero/core/flat.py``), made from the parameters' shapes and the world size.
         mesh: the 1-D ``DeviceMesh`` of ``group``, if the user gave one: DTensor parameters
             (layout "rows") are placed on it.
+        offload: where the shards live and how they cross to the compute device
+            (``zero/offload.py``), or None: on the compute device.
     """
 
     def __init__(self, modules, params, locations, stage, group, mp_policy, reshard_after_forward,
                  device, replicate_group=None, secondary_group=None, all_group=None,
-                 comm=DEFAULT_COLLECTIVES, layout=FlatLayout, mesh=None):
+                 comm=DEFAULT_COLLECTIVES, layout=FlatLayout, mesh=None, offload=None):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.module = modules[0]
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
@@ -92,7 +94,7 @@ class Unit:
         self.rank, self.world_size = backend.rank(group), backend.world_size(group)
         self.replicate_group, self.secondary_group = replicate_group, secondary_group
         self.all_group = all_group if all_group is not None else group  # every rank training
-        self.comm = comm
+        self.comm, self.offload = comm, offload
         self.placement = mesh if mesh is not None else group  # where DTensors are placed
         self.locations = locations  # per parameter: the (module, attribute) pairs that use it
         self.layout = layout([p.shape for p in params], self.world_size)
@@ -118,12 +120,19 @@ class Unit:
                                          device=device)
             self._unsharded_data = self.unsharded.data
             self.shard_in_place = (stage.shards_in_place(self.param_dtype, dtype)
-                                   and not self.layout.copies)
+                                   and not self.layout.copies and offload is None)
+            if self.shard_in_place and not getattr(comm, "in_place_ok", True):
+                raise ValueError(f"{comm!r} needs the shard apart from the full buffer, but "
+                                 f"stage {stage.number} without a cast keeps it inside: use "
+                                 "stage 3, or compute in another dtype (mp_policy)")
             if self.shard_in_place:
                 # (.data: its own version counter, which only writes to the shard move.)
                 self.sharded = self._unsharded_data[self.local.slot].data
             else:
-                self.sharded = torch.empty(self.layout.shard_numel, dtype=dtype, device=device)
+                home = offload.home(device) if offload is not None else device
+                pin = offload is not None and offload.pinned(torch.device(device))
+                self.sharded = torch.empty(self.layout.shard_numel, dtype=dtype, device=home,
+                                           pin_memory=pin)
             self.sharded.zero_()  # the padding stays zero
             if self.materialized:
                 for i, piece in self.local.pieces.items():  # only our pieces: no full copy
@@ -145,7 +154,7 @@ class Unit:
         self.grads = Gradient(self.unsharded, self.params, self.local, self.sharded,
                               self.reduce_dtype,
                               stage.keeps_full_gradient(self.param_dtype, self.reduce_dtype, dtype),
-                              group, replicate_group, comm, self.name, self.placement)
+                              group, replicate_group, comm, self.name, self.placement, offload)
         self.sharded_state = ShardedState.UNSHARDED
         self._gather_work = None  # GATHERING: the all-gather in flight
         self._secondary: torch.Tensor | None = None  # SECONDARY: hpZ's secondary shard
@@ -208,6 +217,8 @@ class Unit:
             self._secondary = None
         else:
             source, group, slot = self.sharded, self.group, self.local.slot
+            if self.offload is not None:  # host -> device, in the master dtype
+                source = self.offload.to_device(source, self.unsharded.device, self.name, phase)
         target = self._unsharded_data
         if self.layout.copies:  # gathered rank-major, copied out where the parameters are
             target = self._unsharded_data.new_empty(self.layout.padded_numel)

@@ -1,0 +1,156 @@
+"""The checks that need an accelerator, in one unattended run of a few minutes.
+
+    python benchmarks/device_check.py            # on a machine with one GPU; prints one table
+
+Everything else in the project runs on the CPU; this is the one script that needs a device,
+and until it has run there, the CUDA path is untested. What it checks:
+
+1. equality on the device at world size 1 (NCCL): our stages 1-3 against plain single-device
+   training (fp32, bitwise), and against FSDP2 with bf16 compute and fp32 reduction (bitwise);
+2. world size 2 on one device, gloo over device tensors, where gloo allows it: stage 3 against
+   DDP (fp32, bitwise at world size 2), or the error gloo gives;
+3. the stage comparison at a size that fills a few GiB (world size 1): peak device memory and
+   median step time per stage;
+4. CPU offload: ZeRO-3's peak device memory with the shards on the host, against without.
+
+Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
+runs the same code on the CPU with gloo and the small model (tests/test_device_check.py), so
+that the script itself is tested where there is no device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import zero
+from zerolab.launch import run_ranks
+from zerolab.models import GPT, GPTConfig
+from zerolab.systems import System
+
+SMALL = GPTConfig()  # the test models' GPT: 2 blocks, dim 32
+BIG = GPTConfig(vocab=32000, seq=512, dim=2048, layers=8, heads=16)  # ~0.45B params: a few GiB
+STEPS = 3
+DRY = {"on": False}  # --cpu-dry-run: the CPU, gloo, the small model, no device memory
+
+
+def _device() -> torch.device:
+    if DRY["on"]:
+        return torch.device("cpu")
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def _backend() -> str:
+    return "gloo" if DRY["on"] else "nccl"
+
+
+def _peak() -> int:
+    return 0 if DRY["on"] else torch.cuda.max_memory_allocated()
+
+
+def _sync() -> None:
+    if not DRY["on"]:
+        torch.cuda.synchronize()
+
+
+def equality_ws1(rank: int, n: int) -> list[tuple[str, bool]]:
+    device = _device()
+    torch.manual_seed(0)
+    base = GPT(SMALL).to(device)
+    out = []
+    for stage in (1, 2, 3):
+        plain, ours = System("replicated", base, "adamw"), System(f"zero{stage}", base, "adamw")
+        same = all(torch.equal(plain.step(rank, s)[0], ours.step(rank, s)[0])
+                   for s in range(STEPS))
+        want, got = plain.full_params(), ours.full_params()
+        out.append((f"zero{stage} fp32 vs one device",
+                    same and all(torch.equal(want[k], got[k]) for k in want)))
+    ref, ours = System("fsdp2", base, "adamw", mp=True), System("zero3", base, "adamw", mp=True)
+    same = all(torch.equal(ref.step(rank, s)[0], ours.step(rank, s)[0]) for s in range(STEPS))
+    out.append(("zero3 bf16/fp32 vs FSDP2", same))
+    return out
+
+
+def gloo_on_device(rank: int, n: int) -> tuple[str, bool | str]:
+    device = _device()
+    try:
+        torch.manual_seed(0)
+        base = GPT(SMALL).to(device)
+        ddp, ours = System("ddp", base, "adamw"), System("zero3", base, "adamw")
+        same = all(torch.equal(ddp.step(rank, s)[0], ours.step(rank, s)[0]) for s in range(STEPS))
+        return ("zero3 fp32 vs DDP, 2 ranks, gloo on device tensors", same)
+    except Exception as e:  # noqa: BLE001 - what gloo does not support is the finding
+        return ("zero3, 2 ranks, gloo on device tensors", f"{type(e).__name__}: {str(e)[:120]}")
+
+
+def memory_and_time(rank: int, n: int, kind: str) -> tuple[int, float]:
+    device = _device()
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = GPT(SMALL if DRY["on"] else BIG)
+    system = System(kind, base, "adamw", mp=True)
+    del base
+    _sync()
+    if not DRY["on"]:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for s in range(STEPS + 1):
+        t0 = time.perf_counter()
+        system.step(rank, s, batch=2)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return _peak(), statistics.median(times[1:])
+
+
+def main(argv: list[str] | None = None) -> list[tuple]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-dry-run", action="store_true",
+                   help="the same checks on the CPU (gloo, the small model): tests the script")
+    DRY["on"] = p.parse_args(argv).cpu_dry_run
+    if not DRY["on"] and not torch.cuda.is_available():
+        sys.exit("device_check.py needs a CUDA device; everything else runs on the CPU")
+    rows = []
+
+    def check(what, fn):
+        t0 = time.perf_counter()
+        try:
+            got = fn()
+        except Exception:  # noqa: BLE001 - report it and go on: the run is unattended
+            got = [(what, "FAILED: " + traceback.format_exc(limit=2).splitlines()[-1])]
+        for name, result in got:
+            rows.append((name, result, time.perf_counter() - t0))
+
+    check("equality at world size 1", lambda: run_ranks(equality_ws1, 1, backend=_backend(),
+                                                        timeout=240)[0])
+    check("gloo on device tensors", lambda: [run_ranks(gloo_on_device, 2, backend="gloo",
+                                                       timeout=240)[0]])
+    peaks = {}
+
+    def stages():
+        out = []
+        for kind in ("zero1", "zero2", "zero3", "zero3-offload"):
+            peak, step = run_ranks(memory_and_time, 1, kind, backend=_backend(), timeout=240)[0]
+            peaks[kind] = peak
+            out.append((f"{kind}, {'the small GPT' if DRY['on'] else '0.45B params'} "
+                        "bf16/fp32, world size 1",
+                        f"peak {peak / 2**30:.2f} GiB, step {1e3 * step:.0f} ms"))
+        ratio = peaks["zero3-offload"] / peaks["zero3"] if peaks["zero3"] else float("nan")
+        out.append(("CPU offload: ZeRO-3 peak device memory / without", f"{ratio:.3f}"))
+        return out
+
+    check("the stage comparison", stages)
+    width = max(len(r[0]) for r in rows)
+    print(f"{'check':<{width}}  result  (seconds)")
+    for name, result, seconds in rows:
+        print(f"{name:<{width}}  {result}  ({seconds:.0f} s)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""ZeRO++'s qwZ: the weight all-gather in int8, one scale per block (Wang et al., "ZeRO++:
+Extremely Efficient Collective Communication for Giant Model Training", 2023, section 3.1).
+
+ZeRO-3 all-gathers every unit's parameters twice a step, in the compute dtype (2 bytes an
+element in bf16). qwZ quantizes each rank's shard before the all-gather, block by block
+(symmetric int8: a block's scale is its largest magnitude over 127), sends 1 byte an element
+plus one fp32 scale per block, and dequantizes after::
+
+    shard (S,) fp32 -> q (S,) int8 + scales (S/B,) fp32 -> all-gather both -> full (N*S,)
+
+Only what is sent is lossy: the fp32 master shard, the gradients and the optimizer step are
+untouched; every rank computes with the same dequantized weights (its own shard's too). Each
+element is off by at most half a step, its block's largest magnitude over 254
+(tests/test_quantized.py holds the bound). Bytes: (N-1)/N * (N*S + 4*N*S/B) per all-gather,
+against 2*(N-1)/N * N*S for bf16.
+
+A communication policy (``zero/comm/flat_collectives.py``): ``zero.shard(...,
+comm_policy=QuantizedWeights())``. It needs a shard of its own, apart from the full buffer it
+fills: stage 3, or stages 1/2 computing in another dtype than the master's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.comm import collectives
+from zero.comm.flat_collectives import FlatCollectives
+
+BLOCK = 256  # elements per scale (ours; DeepSpeed's qwZ groups by a similar fixed size)
+
+
+class QuantizedWeights(FlatCollectives):
+    """qwZ: int8 block-quantized all-gather; the reduce-scatter as ``FlatCollectives``'."""
+
+    in_place_ok = False  # the gather rewrites every slot, ours too: the shard must be apart
+
+    def __init__(self, block: int = BLOCK):
+        if block < 1:
+            raise ValueError(f"block must be at least 1 element, got {block}")
+        self.block = block
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeights(block={self.block})"
+
+    def quantize(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S,) -> (nb*B,) int8 and (nb,) fp32 scales, the last block padded with zeros."""
+        nb = -(-shard.numel() // self.block)
+        x = torch.zeros(nb * self.block, dtype=torch.float32, device=shard.device)
+        x[: shard.numel()] = shard
+        blocks = x.view(nb, self.block)
+        scale = blocks.abs().amax(dim=1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block
+        q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return q.view(-1), scale
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
+                   in_place: bool, group, unit: str, phase: str):
+        if in_place:
+            raise ValueError("QuantizedWeights (qwZ) rewrites every rank's slot of the full "
+                             "buffer with dequantized values: it needs the shard apart from it "
+                             "(stage 3, or stages 1/2 with mp_policy)")
+        q, scale = self.quantize(shard)
+        n = full.numel() // shard.numel() if shard.numel() else 1
+        qs = q.new_empty(n * q.numel())
+        scales = scale.new_empty(n * scale.numel())
+        # (nb*B,) int8 per rank -> (N*nb*B,); (nb,) fp32 per rank -> (N*nb,)
+        w1 = collectives.all_gather(qs, q, group=group, unit=unit, phase=phase, async_op=True)
+        w2 = collectives.all_gather(scales, scale, group=group, unit=unit, phase=phase,
+                                    async_op=True)
+        return _Dequantized((w1, w2), qs, scales, full, n, shard.numel(), self.block)
+
+
+class _Dequantized:
+    """Both all-gathers in flight; ``wait()`` dequantizes into the full buffer."""
+
+    def __init__(self, works, qs, scales, full, n: int, size: int, block: int):
+        self.works, self.qs, self.scales, self.full = works, qs, scales, full
+        self.n, self.size, self.block = n, size, block
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        n, size = self.n, self.size
+        values = self.qs.view(n, -1, self.block).float() * self.scales.view(n, -1, 1)
+        self.full.view(n, size).copy_(values.view(n, -1)[:, :size])  # (cast to param dtype)
+        self.qs = self.scales = None

@@ -1,0 +1,70 @@
+"""CPU offload (ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``): the shards live on the host.
+
+ZeRO-3 leaves each rank 16Ψ/N bytes of model states; ZeRO-Offload (Ren et al., "ZeRO-Offload:
+Democratizing Billion-Scale Model Training", USENIX ATC 2021) moves the largest part of them,
+the fp32 master shards, their gradients and the optimizer state, to the host, and runs the
+optimizer step there. What stays on the accelerator is what computes: a unit's gathered
+parameters and its gradient while it is being formed. Per step and unit, the shard crosses
+to the device for each all-gather (host -> device, its master dtype, as FSDP2 copies it), and
+the reduced gradient shard comes back (device -> host, the reduce dtype)::
+
+    host:    sharded (fp32) ---h2d---> device: slot of the full buffer -> all-gather -> compute
+    host:    reduced shard <---d2h--- device: full gradient -> reduce-scatter (in place)
+    host:    opt.step() on the host shards and their state
+
+Two places of the mechanism ask this policy (``zero/core/unit.py`` and ``zero/core/grads.py``):
+where the shard is allocated, and how a tensor crosses (each crossing a ledger record,
+``h2d`` or ``d2h``, with its bytes and no bytes sent over the network). On a machine without an
+accelerator host and device are the same memory: the copies still happen and are counted,
+and training is bitwise the same as without offload (tests/test_offload.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zero.comm import ledger
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Args:
+    pin_memory: allocate the host shards in pinned memory when the compute device is an
+        accelerator (faster, asynchronous copies), as FSDP2's ``CPUOffloadPolicy`` does.
+    """
+
+    pin_memory: bool = True
+
+    def home(self, compute: torch.device) -> torch.device:
+        """Where the shards live."""
+        return torch.device("cpu")
+
+    def pinned(self, compute: torch.device) -> bool:
+        return self.pin_memory and compute.type != "cpu"
+
+    def to_device(self, shard: torch.Tensor, device: torch.device, unit: str, phase: str):
+        """The shard, on the compute device, for an all-gather (host -> device)."""
+        ledger.record_copy("h2d", shard, unit, phase)
+        return shard.to(device, non_blocking=shard.is_pinned())
+
+    def to_host(self, shard: torch.Tensor, unit: str) -> torch.Tensor:
+        """A reduced gradient shard, copied to the host (device -> host)."""
+        ledger.record_copy("d2h", shard, unit, "backward")
+        host = torch.empty(shard.shape, dtype=shard.dtype, device="cpu",
+                           pin_memory=self.pinned(shard.device))
+        return host.copy_(shard)
+
+
+def offload_from_torch(policy):
+    """Ours for torch's ``OffloadPolicy`` (None: no offload) and ``CPUOffloadPolicy``."""
+    if policy is None or isinstance(policy, CPUOffload):
+        return policy
+    kind = type(policy).__name__
+    if kind == "OffloadPolicy":
+        return None
+    if kind == "CPUOffloadPolicy":
+        return CPUOffload(pin_memory=policy.pin_memory)
+    raise TypeError(f"offload_policy must be zero.CPUOffload (or torch's CPUOffloadPolicy), "
+                    f"got {kind}")
