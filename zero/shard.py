@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero import comm, torch_hooks, wrap
+from zero import agreement, comm, torch_hooks, wrap
 from zero.comm.flat_collectives import FlatCollectives
 from zero.core import hooks, registry
 from zero.core.registry import piece_of, unit_of, units_of, units_on
@@ -134,8 +134,6 @@ def shard(
     group, replicate_group, all_group = _groups(group, mesh)
     if secondary_group is not None:
         comm.name_group(secondary_group, "intra-node")
-    agreed = ("the same model (same structure, shapes, dtypes, requires_grad) and call "
-              "zero.shard in the same order, with the same arguments, on every rank")
     with comm.raising_together(all_group):
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("zero.shard takes a module, or a non-empty list of modules")
@@ -163,16 +161,11 @@ def shard(
     if offload_policy is not None:
         desc.append(repr(offload_policy))
     desc.append(("values", any(p.is_meta for p in params), sync_module_states))
-    try:
-        comm.agree(f"shard {desc}", group=all_group, error=ValueError,
-                   fix=f"Ranks shard different modules: build {agreed}")
-    except ValueError as e:  # every rank is here: name what differs first, then the rest
-        raise ValueError(f"Ranks shard different modules: {_first_difference(desc, all_group)}. "
-                         f"Build {agreed}. (In full: {e})") from None
+    agreement.same_model(desc, all_group)
     if sync_module_states:
-        _take_rank0_values(modules, params, all_group)
+        agreement.take_rank0_values(modules, params, all_group)
     elif not any(p.is_meta for p in params):  # (on the meta device: no values yet)
-        _check_same_values(names, all_group)
+        agreement.check_same_values(names, all_group)
 
     # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
     # ever formed, reduced or stored for them (a LoRA model's frozen base weights).
@@ -209,63 +202,6 @@ def shard(
     return module
 
 
-_SAMPLES = 64  # elements of each parameter in the fingerprint of its values
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits by itemsize
-
-
-def _fingerprint(names) -> torch.Tensor:
-    """(P,) int64: per parameter, a weighted sum of the bits of up to ``_SAMPLES`` of its
-    elements, evenly spaced. Exact integer arithmetic: equal values give equal sums on any
-    rank, in any order; a parameter from another init or checkpoint differs almost surely."""
-    sums = []
-    for _, p in names:
-        flat = p.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
-        bits = sample.view(_INTS[sample.element_size()]).to(torch.int64)
-        weights = torch.arange(1, len(bits) + 1, dtype=torch.int64, device=bits.device)
-        sums.append((bits * weights).sum())
-    return torch.stack(sums)
-
-
-def _check_same_values(names, group) -> None:
-    """Raise on every rank, naming the parameters, unless every rank holds the same values
-    (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
-    n = dist.get_world_size(group)
-    if not names or n == 1 or comm.simulated(group):
-        return
-    mine = _fingerprint(names)
-    every = mine.new_empty(n * len(mine))
-    # (P,) per rank -> (N*P,): each rank's fingerprint of each parameter
-    comm.all_gather(every, mine, group=group, unit="", phase="init")
-    rows = every.view(n, -1)
-    differ = [name for (name, _), d in zip(names, (rows != rows[0]).any(0).tolist()) if d]
-    if differ:  # (every rank gathered the same rows: every rank raises)
-        raise ValueError(
-            f"the ranks hold different values of {len(differ)} of this unit's {len(names)} "
-            f"parameters ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}): were "
-            "the weights loaded on rank 0 only? Each rank would train its own half. Load them "
-            "on every rank before zero.shard, or pass zero.shard(..., sync_module_states=True) "
-            "to copy rank 0's, or shard on the meta device and load after (zero.load)")
-
-
-def _take_rank0_values(modules, params, group) -> None:
-    """``sync_module_states``: rank 0's values of ``params`` and of the modules' buffers on
-    every rank, in one broadcast per dtype (the unit's full size, once, at sharding time)."""
-    if any(p.is_meta for p in params):
-        raise ValueError("sync_module_states=True copies rank 0's values, but the module is "
-                         "on the meta device: it has none yet; use zero.init_parameters or "
-                         "zero.load after sharding instead")
-    tensors = [p.detach() for p in params] + [b for m in modules for b in m.buffers()]
-    for dtype in sorted({t.dtype for t in tensors}, key=str):
-        same = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.reshape(-1) for t in same])
-        # (numel,) rank 0's -> every rank's, in place
-        comm.broadcast(flat, src=0, group=group, unit="", phase="init")
-        with torch.no_grad():
-            for t, part in zip(same, flat.split([t.numel() for t in same])):
-                t.copy_(part.view_as(t))
-
-
 def _shard_by_policy(model, stage, mesh, policy, strategy, kwargs):
     """FSDP1's one call: units where the policy says, bottom-up, then the root."""
     if isinstance(model, (list, tuple)):
@@ -286,29 +222,6 @@ def _shard_by_policy(model, stage, mesh, policy, strategy, kwargs):
             shard(module, stage=stage, mesh=mesh, _leave=wrap.shared_outside(model, module),
                   **kwargs)
     return shard(model, stage=stage, mesh=mesh, **kwargs)
-
-
-_FIELDS = ["the modules' classes", "stage", "mp_policy", "reshard_after_forward",
-           "broadcast_buffers", "ignored_params"]
-
-
-def _first_difference(desc: list, group) -> str:
-    """The first entry of the ranks' ``zero.shard`` descriptions that differs, in words."""
-    every = comm.all_gather_object(desc, group=group)
-    for k in range(max(len(d) for d in every)):
-        items = [d[k] if k < len(d) else None for d in every]
-        if all(item == items[0] for item in items):
-            continue
-        if k < len(_FIELDS):
-            return f"{_FIELDS[k]} differs: " + "; ".join(
-                f"rank {r}: {item!r}" for r, item in enumerate(items))
-        if all(isinstance(item, tuple) and len(item) == 4 for item in items):  # a parameter
-            said = [f"rank {r}: {name!r} {tuple(shape)} {dtype}"
-                    f"{'' if rg else ' (frozen)'}" for r, (name, shape, dtype, rg) in
-                    enumerate(items)]
-            return f"parameter #{k - len(_FIELDS)} differs: " + "; ".join(said)
-        return "; ".join(f"rank {r}: {item!r}" for r, item in enumerate(items))
-    return "their descriptions differ"
 
 
 def _groups(group, mesh):

@@ -141,3 +141,16 @@ class RowsLayout:
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, [Shard(0)],
                                   run_check=False, shape=shape, stride=stride)
+
+
+class CopiedOut:
+    """An all-gather into a layout's own buffer (``rows``): ``wait()`` copies it out into the
+    buffer the parameters view, and lets the gathered one go."""
+
+    def __init__(self, work, layout, wire: torch.Tensor, compute: torch.Tensor):
+        self.work, self.layout, self.wire, self.compute = work, layout, wire, compute
+
+    def wait(self):
+        self.work.wait()
+        self.layout.from_wire(self.wire, into=self.compute)
+        self.wire = None

@@ -3,12 +3,16 @@
 Each is one enum whose members say their transition (FSDP2's ``TrainingState`` and
 ``ShardedState``, DeepSpeed's ``ZeroParamStatus``), instead of flags that could contradict
 each other. ``zero/core/hooks.py`` moves a unit through ``TrainingState``;
-``zero/core/unit.py`` moves it through ``ShardedState``.
+``zero/core/unit.py`` moves it through ``ShardedState``. ``Held`` is what a unit shows an
+observer of both (``Unit.held()``).
 """
 
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
+
+import torch
 
 
 class TrainingState(enum.Enum):
@@ -40,3 +44,20 @@ class ShardedState(enum.Enum):
     SECONDARY = "secondary"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
+
+
+class Held(NamedTuple):
+    """What a unit holds right now (``Unit.held()``): read them, never write them.
+
+    A freed tensor is still there, with a storage of 0 bytes.
+    """
+
+    sharded_state: ShardedState
+    training_state: TrainingState
+    sharded: torch.Tensor  # this rank's shard (master dtype), always held
+    unsharded: torch.Tensor  # the full flat parameters (compute dtype)
+    secondary: torch.Tensor | None  # hpZ's secondary shard, between forward and backward
+    gradient: torch.Tensor | None  # autograd's full flat gradient (unsharded.grad)
+    reducing: torch.Tensor | None  # the full gradient a reduce-scatter in flight reduces
+    reduced: torch.Tensor | None  # the reduced gradient shard, not yet handed out
+    unsynced: torch.Tensor | None  # no_sync micro-batches kept in reduce_dtype

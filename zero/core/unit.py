@@ -32,8 +32,6 @@ is ``zero/core/hooks.py`` (the life of a unit in one iteration) and ``zero/core/
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn as nn
 
@@ -42,24 +40,8 @@ from zero.comm.flat_collectives import DEFAULT as DEFAULT_COLLECTIVES
 from zero.core import checks, registry
 from zero.core.flat import FlatLayout
 from zero.core.grads import Gradient
-from zero.core.state import ShardedState, TrainingState
-
-
-class Held(NamedTuple):
-    """What a unit holds right now (``Unit.held()``): read them, never write them.
-
-    A freed tensor is still there, with a storage of 0 bytes.
-    """
-
-    sharded_state: ShardedState
-    training_state: TrainingState
-    sharded: torch.Tensor  # this rank's shard (master dtype), always held
-    unsharded: torch.Tensor  # the full flat parameters (compute dtype)
-    secondary: torch.Tensor | None  # hpZ's secondary shard, between forward and backward
-    gradient: torch.Tensor | None  # autograd's full flat gradient (unsharded.grad)
-    reducing: torch.Tensor | None  # the full gradient a reduce-scatter in flight reduces
-    reduced: torch.Tensor | None  # the reduced gradient shard, not yet handed out
-    unsynced: torch.Tensor | None  # no_sync micro-batches kept in reduce_dtype
+from zero.core.rows import CopiedOut
+from zero.core.state import Held, ShardedState, TrainingState
 
 
 class Unit:
@@ -226,7 +208,7 @@ class Unit:
         work = self.comm.all_gather(target, source, slot, in_place=self.shard_in_place,
                                     group=group, unit=self.name, phase=phase)
         if self.layout.copies:
-            work = _CopiedOut(work, self.layout, target, self._unsharded_data)
+            work = CopiedOut(work, self.layout, target, self._unsharded_data)
         self._gather_work = work
         self.sharded_state = ShardedState.GATHERING
 
@@ -348,16 +330,3 @@ class Unit:
         if self.sibling_of is not None and setting is None:
             return self.sibling_of.reshard_after_forward
         return self.stage.reshards_after_forward(setting, is_root=self.parent is None)
-
-
-class _CopiedOut:
-    """An all-gather into a layout's own buffer (``rows``): ``wait()`` copies it out into the
-    buffer the parameters view, and lets the gathered one go."""
-
-    def __init__(self, work, layout, wire: torch.Tensor, compute: torch.Tensor):
-        self.work, self.layout, self.wire, self.compute = work, layout, wire, compute
-
-    def wait(self):
-        self.work.wait()
-        self.layout.from_wire(self.wire, into=self.compute)
-        self.wire = None

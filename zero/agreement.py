@@ -1,0 +1,112 @@
+"""Every rank must shard the same model: the same structure, and the same values.
+
+``zero.shard`` pairs every rank's units collective by collective, so ranks that built
+different models (another size, a forgotten layer) would exchange the wrong data; and ranks
+whose values differ (weights loaded on rank 0 only) would each train their own model, half of
+it random init, silently. So before the first collective of a unit the ranks agree on its
+description (``same_model``: module classes, stage, policies, each parameter's name, shape,
+dtype), and then compare a fingerprint of its values (``check_same_values``), or take rank
+0's (``sync_module_states=True``, FSDP1's name: ``take_rank0_values``). A difference raises
+on every rank, naming what differs first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero import comm
+
+AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and call zero.shard "
+          "in the same order, with the same arguments, on every rank")
+
+
+def same_model(desc: list, group) -> None:
+    """Agree on ``desc`` (zero.shard's description of a unit); raise naming the first
+    difference, on every rank, if the ranks' differ."""
+    try:
+        comm.agree(f"shard {desc}", group=group, error=ValueError,
+                   fix=f"Ranks shard different modules: build {AGREED}")
+    except ValueError as e:  # every rank is here: name what differs first, then the rest
+        raise ValueError(f"Ranks shard different modules: {first_difference(desc, group)}. "
+                         f"Build {AGREED}. (In full: {e})") from None
+
+
+_FIELDS = ["the modules' classes", "stage", "mp_policy", "reshard_after_forward",
+           "broadcast_buffers", "ignored_params"]
+
+
+def first_difference(desc: list, group) -> str:
+    """The first entry of the ranks' ``zero.shard`` descriptions that differs, in words."""
+    every = comm.all_gather_object(desc, group=group)
+    for k in range(max(len(d) for d in every)):
+        items = [d[k] if k < len(d) else None for d in every]
+        if all(item == items[0] for item in items):
+            continue
+        if k < len(_FIELDS):
+            return f"{_FIELDS[k]} differs: " + "; ".join(
+                f"rank {r}: {item!r}" for r, item in enumerate(items))
+        if all(isinstance(item, tuple) and len(item) == 4 for item in items):  # a parameter
+            said = [f"rank {r}: {name!r} {tuple(shape)} {dtype}"
+                    f"{'' if rg else ' (frozen)'}" for r, (name, shape, dtype, rg) in
+                    enumerate(items)]
+            return f"parameter #{k - len(_FIELDS)} differs: " + "; ".join(said)
+        return "; ".join(f"rank {r}: {item!r}" for r, item in enumerate(items))
+    return "their descriptions differ"
+
+
+_SAMPLES = 64  # elements of each parameter in the fingerprint of its values
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits by itemsize
+
+
+def fingerprint(names) -> torch.Tensor:
+    """(P,) int64: per parameter, a weighted sum of the bits of up to ``_SAMPLES`` of its
+    elements, evenly spaced. Exact integer arithmetic: equal values give equal sums on any
+    rank, in any order; a parameter from another init or checkpoint differs almost surely."""
+    sums = []
+    for _, p in names:
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
+        bits = sample.view(_INTS[sample.element_size()]).to(torch.int64)
+        weights = torch.arange(1, len(bits) + 1, dtype=torch.int64, device=bits.device)
+        sums.append((bits * weights).sum())
+    return torch.stack(sums)
+
+
+def check_same_values(names, group) -> None:
+    """Raise on every rank, naming the parameters, unless every rank holds the same values
+    (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
+    n = dist.get_world_size(group)
+    if not names or n == 1 or comm.simulated(group):
+        return
+    mine = fingerprint(names)
+    every = mine.new_empty(n * len(mine))
+    # (P,) per rank -> (N*P,): each rank's fingerprint of each parameter
+    comm.all_gather(every, mine, group=group, unit="", phase="init")
+    rows = every.view(n, -1)
+    differ = [name for (name, _), d in zip(names, (rows != rows[0]).any(0).tolist()) if d]
+    if differ:  # (every rank gathered the same rows: every rank raises)
+        raise ValueError(
+            f"the ranks hold different values of {len(differ)} of this unit's {len(names)} "
+            f"parameters ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}): were "
+            "the weights loaded on rank 0 only? Each rank would train its own half. Load them "
+            "on every rank before zero.shard, or pass zero.shard(..., sync_module_states=True) "
+            "to copy rank 0's, or shard on the meta device and load after (zero.load)")
+
+
+def take_rank0_values(modules, params, group) -> None:
+    """``sync_module_states``: rank 0's values of ``params`` and of the modules' buffers on
+    every rank, in one broadcast per dtype (the unit's full size, once, at sharding time)."""
+    if any(p.is_meta for p in params):
+        raise ValueError("sync_module_states=True copies rank 0's values, but the module is "
+                         "on the meta device: it has none yet; use zero.init_parameters or "
+                         "zero.load after sharding instead")
+    tensors = [p.detach() for p in params] + [b for m in modules for b in m.buffers()]
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        # (numel,) rank 0's -> every rank's, in place
+        comm.broadcast(flat, src=0, group=group, unit="", phase="init")
+        with torch.no_grad():
+            for t, part in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(part.view_as(t))
