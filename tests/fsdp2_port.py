@@ -9,7 +9,9 @@ runs it, in the same ranks and on the same data, with several systems built from
   backward, the reference torch's tests build by hand (a model on the global batch, divided by
   the world size, is the same reference; per rank it can be compared bitwise);
 - "fsdp2": ``fully_shard`` on the same units;
-- "zero1", "zero2", "zero3": ``zero.shard`` on the same units.
+- "zero1", "zero2", "zero3": ``zero.shard`` on the same units;
+- "zero.fully_shard": ``zero.fully_shard`` on the same units, with FSDP2's arguments (stage 3,
+  FSDP2's rows layout): the drop-in, run through every scenario as FSDP2 is.
 
 At world size 2 in fp32 all of them must agree bitwise (notes/05-equality.md says why that is
 possible). ``mismatches`` lists what does not, one line per disagreement, each starting with the
@@ -27,9 +29,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero
+from zero.core.rows import local_tensor
 from zerolab.systems import average_gradients as average_grads  # DDP by hand
 
-ZERO = ("zero1", "zero2", "zero3")
+ZERO = ("zero1", "zero2", "zero3", "zero.fully_shard")
 ALL = ("ref", "fsdp2", *ZERO)
 
 
@@ -43,6 +46,18 @@ def fully_shard_units(units: Iterable[nn.Module], *, mp=None, raf=None) -> None:
     kw = {} if raf is None else {"reshard_after_forward": raf}
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, **kw)
+
+
+def zero_fully_shard_units(units: Iterable[nn.Module], *, mp=None, raf=None) -> None:
+    """``zero.fully_shard`` on ``units``, called exactly as ``fully_shard_units`` calls FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(*mp) if mp else MixedPrecisionPolicy()
+    kw = {} if raf is None else {"reshard_after_forward": raf}
+    for unit in units:
+        zero.fully_shard(unit, mesh=mesh, mp_policy=policy, **kw)
 
 
 def zero_shard_units(units: Iterable[nn.Module], stage: int, *, mp=None, raf=None) -> None:
@@ -73,6 +88,8 @@ class Trainer:
             prepare(self.model)
         if kind == "fsdp2":
             fully_shard_units(units(self.model), mp=mp, raf=raf)
+        elif kind == "zero.fully_shard":
+            zero_fully_shard_units(units(self.model), mp=mp, raf=raf)
         elif kind in ZERO:
             zero_shard_units(units(self.model), int(kind[-1]), mp=mp, raf=raf)
         elif kind == "replicate":
@@ -158,10 +175,10 @@ def zero_full(model: nn.Module, what: str) -> dict[str, torch.Tensor | None]:
             local.zero_()
             for i, p in enumerate(unit.params):
                 if p.grad is not None:
-                    unit.piece(local, i).copy_(p.grad)
+                    unit.piece(local, i).copy_(local_tensor(p.grad).reshape(-1))
         flat = local.new_empty(unit.layout.padded_numel)
         dist.all_gather_into_tensor(flat, local)
-        whole[unit] = unit.layout.views(flat)
+        whole[unit] = unit.layout.views(unit.layout.from_wire(flat))
     index = {p: (u, i) for u in whole for i, p in enumerate(u.params)}
     return {n: whole[index[p][0]][index[p][1]].clone() if h else None
             for (n, p), h in zip(named, has.tolist())}

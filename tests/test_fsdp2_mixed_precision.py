@@ -23,7 +23,8 @@ from torch.testing._internal.common_fsdp import MLP
 from torch.utils.checkpoint import checkpoint
 
 import zero
-from fsdp2_port import ZERO, Trainer, data, fully_shard_units, mismatches, train, zero_full
+from fsdp2_port import (ZERO, Trainer, data, fully_shard_units, mismatches, train,
+                        zero_full, zero_fully_shard_units)
 from harness import run_ranks
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -321,6 +322,8 @@ def shard(kind, units):
     for unit, mp in units:
         if kind == "fsdp2":
             fully_shard_units([unit], mp=mp)
+        elif kind == "zero.fully_shard":
+            zero_fully_shard_units([unit], mp=mp)
         else:
             policy = zero.MixedPrecision(*mp) if mp else None
             zero.shard(unit, stage=int(kind[-1]), mp_policy=policy)
