@@ -12,13 +12,20 @@ does to a module, with ``zero.shard`` underneath:
   method zero does not implement raises ``NotImplementedError`` naming it;
 - its default layout is "rows", FSDP2's, so the parameters are ``Shard(0)`` DTensors and the
   training is bitwise FSDP2's (``zero/core/rows.py``);
-- each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; 2-D is HSDP, with
+- each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; a 2-D one, HSDP, only with
   ``layout="flat"``), ``reshard_after_forward`` (stage 3's; an int, FSDP2's reshard to a smaller
-  group, is refused), ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or ours), ``offload_policy``
-  (none), ``ignored_params``, ``shard_placement_fn`` (``Shard(0)`` only), ``dp_mesh_dims``
-  (None only). ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
+  group, is refused), ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or ours),
+  ``offload_policy`` (torch's ``CPUOffloadPolicy`` or ours: ``zero/offload.py``),
+  ``ignored_params``, ``shard_placement_fn`` (``Shard(0)`` only), ``dp_mesh_dims`` (None
+  only). ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
 
-``zero.shard`` stays the teaching entry point; both make the same units.
+At stages 1 and 2 the full parameters stay between steps: that is what those stages are. The
+FSDP2 calls that ask to free them (``reshard_after_forward=True``, which torchtitan passes for
+every block, ``set_reshard_after_forward/backward(True)``, which its chunked loss makes every
+step) are accepted and warn that they are not honoured; asking to keep them is what happens.
+
+``zero.shard`` stays the teaching entry point; both make the same units. torchtitan trains on
+this unchanged, bitwise FSDP2's: ``benchmarks/torchtitan_example.py``.
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
             ignored_params, dp_mesh_dims: FSDP2's; each taken or refused by name.
         stage: the ZeRO stage, 1, 2 or 3. At stages 1 and 2 the parameters stay gathered
-            between forward and backward by definition, so ``reshard_after_forward`` does not
-            apply there (``True`` warns that it is not honoured).
+            by definition, so ``reshard_after_forward`` does not apply there (``True`` warns
+            that it is not honoured).
         layout: "rows" (FSDP2's, the default), "flat" or "whole" (``zero.shard``).
         device: where the shards live when ``module`` is on the meta device.
 
@@ -64,12 +71,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             "ZeRO++'s hpZ) is not supported here: use zero.shard(..., secondary_group=...) with "
             "layout='flat'")
     if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard(dp_mesh_dims=...) is not supported by zero: give "
-                                  "a 1-D mesh (or a 2-D one for HSDP, with layout='flat')")
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise NotImplementedError(
-            f"fully_shard(offload_policy={type(offload_policy).__name__}()) is not supported by "
-            "zero.fully_shard: no offload policy is implemented yet")
+            "fully_shard(dp_mesh_dims=...) (parameters as DTensors on a larger SPMD mesh) is "
+            "not supported by zero: give the data-parallel mesh itself (torchtitan: "
+            "parallelism.spmd_backend='partial_dtensor')")
+    if mesh is not None and mesh.ndim > 1 and layout == "rows":
+        raise NotImplementedError(
+            f"fully_shard(mesh=<{mesh.ndim}-D mesh>) (HSDP) is not supported with "
+            "layout='rows' yet; layout='flat' has HSDP, but its parameters are 1-D pieces, "
+            "not DTensors, which code written for FSDP2 (torchtitan's init_weights, its "
+            "clip_grad_norm_) cannot use")
     if shard_placement_fn is not None:
         for m in modules:
             for name, p in m.named_parameters():
@@ -79,22 +90,29 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                         f"fully_shard(shard_placement_fn=...) returned {placement} for {name}: "
                         "zero shards every parameter along dim 0 (Shard(0)) only")
     if stage != 3 and reshard_after_forward:
-        warnings.warn(f"fully_shard(stage={stage}, reshard_after_forward=True): stages 1 and 2 "
-                      "keep the parameters between forward and backward; use stage=3 to free "
-                      "them", stacklevel=2)
+        _not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
     if mp_policy is not None:
         mp_policy = MixedPrecision.from_torch(mp_policy)
         if mp_policy == MixedPrecision():
             mp_policy = None  # FSDP2's default policy: compute as stored
     shard(modules if len(modules) > 1 else modules[0], stage=stage, mesh=mesh,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
-          ignored_params=ignored_params, layout=layout, device=device)
+          ignored_params=ignored_params, layout=layout, device=device,
+          offload_policy=offload_policy)
     for m in modules:
         cls = type(m)
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"FSDP{cls.__name__}", (ZeroFSDPModule, cls), {})
         m.__class__ = _CLASSES[cls]
     return module
+
+
+def _not_freed(call: str) -> None:
+    """Stages 1 and 2 keep the full parameters between steps: that is what the stage is. An
+    FSDP2 call asking to free them is accepted (code written for FSDP2 makes it as a matter
+    of course) and says once that it is not honoured; asking to keep them is what happens."""
+    warnings.warn(f"{call}: stages 1 and 2 keep the parameters between forward and backward "
+                  "and between steps; use stage=3 to free them", stacklevel=3)
 
 
 class ZeroFSDPModule(FSDPModule):
@@ -122,14 +140,20 @@ class ZeroFSDPModule(FSDPModule):
         controls.set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Stage 3's knob; at stages 1 and 2 the parameters stay gathered by definition, and
-        the call changes nothing (torchtitan's chunked loss sets it, then sets it back)."""
+        """Stage 3's knob. At stages 1 and 2 the parameters stay gathered (``_not_freed``);
+        torchtitan's chunked loss sets it False on ``lm_head``, then True again."""
         for unit in self._units(recurse):
             if unit.stage.frees_parameters:
                 unit.reshard_after_forward_setting = reshard_after_forward
+            elif reshard_after_forward:
+                _not_freed(f"set_reshard_after_forward(True) at stage {unit.stage.number}")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
+        """Stage 3 (at stages 1 and 2 the parameters stay gathered, as ``_not_freed`` says)."""
+        if reshard_after_backward and any(not u.stage.frees_parameters
+                                          for u in self._units(recurse)):
+            _not_freed("set_reshard_after_backward(True)")
         controls.set_reshard_after_backward(self, reshard_after_backward, recurse=recurse)
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
@@ -188,7 +212,8 @@ class ZeroFSDPModule(FSDPModule):
         device = torch.device(device)
         units = registry.units_of(self)
         where = units[0].sharded.device
-        if device.type != where.type or (device.index is not None and device != where):
+        if device.type != where.type or (device.type != "cpu" and device.index is not None
+                                         and device.index != where.index):
             raise ValueError(
                 f"to_empty(device={device}) but the shards of this model live on {where}: "
                 "shard it for that device (zero.fully_shard(..., device=...)), or initialise "
