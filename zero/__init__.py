@@ -14,16 +14,18 @@ one layer a folder; no file imports one above it:
   all units), ``hooks`` (the life of a unit in one iteration: the only file that hooks
   modules and autograd);
 - ``checkpoint/`` sharded checkpoints, read as data only;
-- the public surface, here: ``shard`` (the entry point), ``policies`` (``MixedPrecision``),
-  ``controls`` (FSDP2's control surface), ``torch_hooks`` (hooks on torch's optimizers and
-  state dicts), ``clip``, ``state_dict``, ``meta_init``, ``grad_scaler``.
+- the public surface, here: ``shard`` (the entry point), ``agreement`` (the ranks agree on
+  the model), ``wrap`` (FSDP1's auto-wrap and strategies), ``fsdp2`` (``fully_shard``:
+  FSDP2's signature and methods), ``policies`` (``MixedPrecision``, the layouts),
+  ``offload`` (CPU offload), ``controls`` (FSDP2's control surface), ``torch_hooks`` (hooks on
+  torch's optimizers and state dicts), ``clip``, ``state_dict``, ``meta_init``,
+  ``grad_scaler``.
 """
 
 from zero.checkpoint import load, save
 from zero.clip import clip_grad_norm_
 from zero.comm import CollectiveTimeout, Disagreement, Ledger
 from zero.comm.quantized import QuantizedWeights
-from zero.fully_shard import fully_shard
 from zero.controls import (
     reshard,
     set_modules_to_backward_prefetch,
@@ -33,6 +35,7 @@ from zero.controls import (
     set_reshard_after_forward,
     unshard,
 )
+from zero.fsdp2 import fully_shard
 from zero.grad_scaler import ShardedGradScaler
 from zero.meta_init import init_parameters
 from zero.offload import CPUOffload
