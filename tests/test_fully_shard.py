@@ -179,3 +179,34 @@ def _meta_then_to_empty(rank, n):
 
 def test_to_empty_after_sharding_then_init_works_as_on_fsdp2():
     assert all(run_ranks(_meta_then_to_empty, 2))
+
+
+def _hsdp(rank, n, mp):
+    """HSDP on a 2 x 2 mesh (replicate, shard): as FSDP2's, clip included."""
+    torch.manual_seed(0)
+    base = GPT(GPTConfig())
+    mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mp else MixedPrecisionPolicy()
+    runs = []
+    for fs in (fully_shard, zero.fully_shard):
+        model = copy.deepcopy(base)
+        for unit in model.units():
+            fs(unit, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        seen = []
+        for s in range(3):
+            x, y = base.batch(4, torch.Generator().manual_seed(10 * s + rank))
+            loss = base.loss(model(x), y)
+            loss.backward()
+            seen.append((loss, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()))
+            opt.step()
+            opt.zero_grad()
+        runs.append((seen, {k: p.full_tensor() for k, p in model.named_parameters()}))
+    (s0, p0), (s1, p1) = runs
+    return (all(torch.equal(a, b) for x, y in zip(s0, s1) for a, b in zip(x, y))
+            and all(torch.equal(p0[k], p1[k]) for k in p0))
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
+def test_hsdp_on_a_2d_mesh_is_fsdp2s(mp):
+    assert all(run_ranks(_hsdp, 4, mp, timeout=120))

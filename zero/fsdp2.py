@@ -12,8 +12,8 @@ does to a module, with ``zero.shard`` underneath:
   method zero does not implement raises ``NotImplementedError`` naming it;
 - its default layout is "rows", FSDP2's, so the parameters are ``Shard(0)`` DTensors and the
   training is bitwise FSDP2's (``zero/core/rows.py``);
-- each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; a 2-D one, HSDP, only with
-  ``layout="flat"``), ``reshard_after_forward`` (stage 3's; an int, FSDP2's reshard to a smaller
+- each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; or 2-D, (replicate,
+  shard): HSDP, parameters placed ``(Replicate(), Shard(0))`` as FSDP2's), ``reshard_after_forward`` (stage 3's; an int, FSDP2's reshard to a smaller
   group, is refused), ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or ours),
   ``offload_policy`` (torch's ``CPUOffloadPolicy`` or ours: ``zero/offload.py``),
   ``ignored_params``, ``shard_placement_fn`` (``Shard(0)`` only), ``dp_mesh_dims`` (None
@@ -75,12 +75,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             "fully_shard(dp_mesh_dims=...) (parameters as DTensors on a larger SPMD mesh) is "
             "not supported by zero: give the data-parallel mesh itself (torchtitan: "
             "parallelism.spmd_backend='partial_dtensor')")
-    if mesh is not None and mesh.ndim > 1 and layout == "rows":
-        raise NotImplementedError(
-            f"fully_shard(mesh=<{mesh.ndim}-D mesh>) (HSDP) is not supported with "
-            "layout='rows' yet; layout='flat' has HSDP, but its parameters are 1-D pieces, "
-            "not DTensors, which code written for FSDP2 (torchtitan's init_weights, its "
-            "clip_grad_norm_) cannot use")
     if shard_placement_fn is not None:
         for m in modules:
             for name, p in m.named_parameters():

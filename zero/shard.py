@@ -142,9 +142,9 @@ def shard(
                              "keep their full parameters, so backward gathers nothing")
         device = _device(modules[0], group, device)
         layout = layout_class(layout)
-        if layout.copies and (secondary_group is not None or replicate_group is not None):
-            raise ValueError(f"layout={layout.name!r} is not supported with hybrid sharding "
-                             "(a 2-D mesh or a secondary_group) yet: use layout='flat' there")
+        if layout.copies and secondary_group is not None:
+            raise ValueError(f"layout={layout.name!r} is not supported with hpZ (a "
+                             "secondary_group) yet: use layout='flat' there")
         params, locations, children = _check(modules, stage, mp_policy, reshard_after_forward,
                                              ignored)
         if any(child.layout.name != layout.name for child in children):
@@ -176,7 +176,7 @@ def shard(
     units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
                   group, mp_policy, reshard_after_forward, device, replicate_group,
                   secondary_group, all_group, comm_policy, layout,
-                  mesh if mesh is not None and mesh.ndim == 1 else None, offload_policy)
+                  mesh, offload_policy)
              for g in groups]
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)

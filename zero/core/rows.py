@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zero.comm import backend
 from zero.core.flat import LocalShard, Piece, ShardInfo
@@ -133,13 +133,15 @@ class RowsLayout:
 
     def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
         """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a ``Shard(0)`` DTensor of
-        the full shape over the unit's group (or the 1-D ``DeviceMesh`` given as ``group``),
-        whose local tensor views ``piece``."""
+        the full shape over the unit's group (or the ``DeviceMesh`` given as ``group``; a 2-D
+        one is HSDP's, (replicate, shard): ``(Replicate(), Shard(0))``), whose local tensor
+        views ``piece``."""
         lo, hi = self.rows_of(i, rank)
         shape = self.shapes[i]
         mesh = group if isinstance(group, DeviceMesh) else _mesh(group, piece.device.type)
+        placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, [Shard(0)],
+        return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, placements,
                                   run_check=False, shape=shape, stride=stride)
 
 

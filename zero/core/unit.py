@@ -59,8 +59,8 @@ class Unit:
         comm: how the unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``).
         layout: which rank holds which element: a class like ``FlatLayout``
             (``zero/core/flat.py``), made from the parameters' shapes and the world size.
-        mesh: the 1-D ``DeviceMesh`` of ``group``, if the user gave one: DTensor parameters
-            (layout "rows") are placed on it.
+        mesh: the ``DeviceMesh`` the user gave, if any (1-D: ``group``'s; 2-D: HSDP's):
+            DTensor parameters (layout "rows") are placed on it.
         offload: where the shards live and how they cross to the compute device
             (``zero/offload.py``), or None: on the compute device.
     """
