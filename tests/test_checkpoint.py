@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -465,3 +466,311 @@ def _before_first_step(rank, n, root):
 
 def test_checkpoint_saved_before_the_first_step(tmp_path):
     assert run_ranks(_before_first_step, 2, str(tmp_path)) == [(True, None)] * 2
+
+
+# ---- a load beside a save: one version, whatever the save does ---------------------------
+
+
+def _save_mlp(rank, n, root, steps):
+    s = _system("mlp", "zero3", "adamw")
+    _train(s, rank, range(steps))
+    zero.save(root, s.model, s.opt)
+    return s.full_params()
+
+
+def _two_versions(tmp_path, name):
+    """``name``/v000001 and v000002 (one and two AdamW steps), ``latest`` -> v000001."""
+    root = tmp_path / name
+    root.mkdir()
+    for v, src in (("v000001", "one"), ("v000002", "two")):
+        shutil.copytree(tmp_path / src / "latest", root / v)
+    os.symlink("v000001", root / "latest")
+    return str(root)
+
+
+def _flip(root, delete):
+    """What a save does at its commit: ``latest`` to v000002, then (keep=1) v000001 deleted."""
+    os.symlink("v000002", os.path.join(root, "latest.tmp"))
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    if delete:
+        shutil.rmtree(os.path.join(root, "v000001"))
+
+
+def _racing(rank, n, roots):
+    """Load while a save flips ``latest`` (rank 0, between two barriers): after the ranks read
+    .metadata, and with or without deleting the old version; or once the data is being read."""
+    import zero.checkpoint.reader as reader
+    import zero.checkpoint.safe_pickle as safe_pickle
+
+    out = {}
+    for case, root in roots.items():
+        def race():
+            dist.barrier()
+            if rank == 0:
+                _flip(root, delete=case != "flip")
+            dist.barrier()
+        hooked = {}  # (fires once per case)
+        if case == "delete once reading":
+            original = reader.Reader.read_data
+            def read_data(self, *args):
+                if not hooked:
+                    hooked[1] = race()
+                return original(self, *args)
+            reader.Reader.read_data = read_data
+        else:
+            original = safe_pickle.load_metadata
+            def load_metadata(*args):
+                meta = original(*args)
+                if not hooked:
+                    hooked[1] = race()
+                return meta
+            safe_pickle.load_metadata = load_metadata
+        s = _system("mlp", "zero3", "adamw", seed=1)
+        try:
+            zero.load(root, s.model, s.opt)
+            out[case] = s.full_params()
+        except Exception as e:  # noqa: BLE001 (the test looks at it)
+            out[case] = f"{type(e).__name__}: {e}"
+        finally:
+            if case == "delete once reading":
+                reader.Reader.read_data = original
+            else:
+                safe_pickle.load_metadata = original
+    return out
+
+
+def test_a_load_reads_the_version_it_resolved_while_a_save_flips_latest(tmp_path, monkeypatch):
+    """A save that moves ``latest`` between the reads of one load must not mix two versions:
+    the load reads the version it resolved, or (deleted before it opened its files) raises."""
+    one = run_ranks(_save_mlp, 2, str(tmp_path / "one"), 1)[0]
+    run_ranks(_save_mlp, 2, str(tmp_path / "two"), 2)
+    cases = ("flip", "flip and delete", "delete once reading")
+    roots = {case: _two_versions(tmp_path, f"race{i}") for i, case in enumerate(cases)}
+    for rank, got in enumerate(run_ranks(_racing, 2, roots, timeout=30)):
+        assert isinstance(got["flip"], dict), got["flip"]
+        assert first_difference(got["flip"], one) is None, "read v000002's data for v000001"
+        assert isinstance(got["delete once reading"], dict), got["delete once reading"]
+        assert first_difference(got["delete once reading"], one) is None
+        deleted = got["flip and delete"]
+        assert isinstance(deleted, str) and deleted.startswith("FileNotFoundError"), deleted
+        assert "v000001 no longer exists: it was deleted while it was being read" in deleted
+    # export, in this process: the same flip after it read .metadata
+    import zero.checkpoint.safe_pickle as safe_pickle
+    root, original = _two_versions(tmp_path, "race-export"), safe_pickle.load_metadata
+    monkeypatch.setattr(safe_pickle, "load_metadata",
+                        lambda *a: (original(*a), _flip(root, delete=False))[0])
+    exported = zero.checkpoint.export(root, str(tmp_path / "out.pt"))
+    assert first_difference(exported, one) is None
+
+
+# ---- which versions a save deletes: only its own, the oldest beyond keep ---------------------
+
+
+def _saves(rank, n, root, keeps):
+    """One save per entry of ``keeps`` (None: the default); what rank 0's deletions saw."""
+    import zero.checkpoint.directory as ckdir
+
+    s = _system("mlp", "zero3", "sgd")
+    seen, delete = [], getattr(ckdir, "delete_version", None)
+    def recording(path, version):  # where latest points as each deletion starts
+        seen.append((version, os.readlink(os.path.join(root, "latest"))))
+        return delete(path, version)
+    ckdir.delete_version = recording
+    listings = []
+    for keep in keeps:
+        written = zero.save(root, s.model, s.opt, **({} if keep is None else {"keep": keep}))
+        listings.append((os.path.basename(written), sorted(os.listdir(root))))
+    return listings, seen
+
+
+def test_save_deletes_only_its_own_versions_and_keeps_the_last_k(tmp_path):
+    root = tmp_path / "ckpt"
+    users = ["v000002", "v1", "v10"]  # the user's own directories, named like versions
+    for user in users:
+        (root / user).mkdir(parents=True)
+        (root / user / "notes.txt").write_text("mine")
+    first, _ = run_ranks(_saves, 2, str(root), [None])[0]  # keep=1, the default
+    assert first == [("v000011", sorted(["latest", *users, "v000011"]))]  # past every number
+    listings, seen = run_ranks(_saves, 2, str(root), [3, 3, 3, 2])[0]
+    assert listings == [(new, sorted(["latest", *users, *ours])) for new, ours in [
+        ("v000012", ["v000011", "v000012"]),
+        ("v000013", ["v000011", "v000012", "v000013"]),
+        ("v000014", ["v000012", "v000013", "v000014"]),
+        ("v000015", ["v000014", "v000015"])]]
+    assert all((root / user / "notes.txt").read_text() == "mine" for user in users)
+    # each deletion came after the flip to the version just written
+    assert seen == [("v000011", "v000014"), ("v000012", "v000015"), ("v000013", "v000015")]
+
+
+# ---- what a load allocates: this rank's shards and one unit, not the model -----------------
+
+PEAK_GPT = GPTConfig()  # (notes/figures/checkpoint_costs.py measures a larger one, at 2 and 4 ranks)
+
+
+def _save_gpt(rank, n, root):
+    torch.manual_seed(0)
+    s = System("zero3", GPT(PEAK_GPT), "adamw")
+    _train(s, rank, range(1))
+    zero.save(root, s.model, s.opt)
+
+
+def _load_peak(rank, n, root):
+    """Peak bytes of the tensors zero.load allocates on this rank (torch's MemTracker, on a
+    fresh model and optimizer, less what they held before), against this rank's shards
+    (parameters, exp_avg, exp_avg_sq) and the largest unit whole."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(1)
+    s = System("zero3", GPT(PEAK_GPT), "adamw")
+    units = zero.units_of(s.model)
+    tracker, cpu = MemTracker(), torch.device("cpu")
+    tracker.track_external(s.model, s.opt)  # (an in-place copy into them is no allocation)
+    with tracker:
+        before = tracker.get_tracker_snapshot()[cpu]["Total"]
+        zero.load(root, s.model, s.opt)
+    peak = tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before
+    shards = 4 * 3 * sum(u.layout.shard_numel for u in units)
+    return peak, shards, 4 * max(u.layout.padded_numel for u in units)
+
+
+def test_a_load_allocates_this_ranks_shards_and_one_unit(tmp_path):
+    run_ranks(_save_gpt, 2, str(tmp_path))
+    for n in (2, 3):  # the same world size, and resharded
+        for rank, (peak, shards, unit) in enumerate(run_ranks(_load_peak, n, str(tmp_path))):
+            print(f"N = {n}, rank {rank}: peak {peak:,} B, shards {shards:,} + one unit {unit:,}")
+            assert peak <= shards + unit, (n, rank, peak, shards, unit)
+
+
+# ---- saving: the optimizer, a failed save, two jobs --------------------------------------------
+
+
+def _save_with_odd_optimizers(rank, n, root):
+    """zero.save with an optimizer that holds a parameter outside the model, and with one
+    built before zero.shard: what each raised, on this rank."""
+    torch.manual_seed(0)
+    base = MODELS["mlp"]()
+    early = torch.optim.SGD(base.parameters(), lr=0.1)  # built on the parameters shard replaces
+    s = System("zero3", base, "sgd")  # (System shards a copy: build one on this model itself)
+    for unit in base.units():
+        zero.shard(unit, stage=3)
+    outside = torch.optim.SGD([*s.model.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
+    out = {}
+    for name, model, opt in (("outside", s.model, outside), ("before shard", base, early)):
+        try:
+            zero.save(os.path.join(root, name.replace(" ", "-")), model, opt)
+            out[name] = "saved"
+        except Exception as e:  # noqa: BLE001 (the test looks at it)
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_saving_an_optimizer_that_does_not_hold_the_models_parameters_names_the_fix(tmp_path):
+    for got in run_ranks(_save_with_odd_optimizers, 2, str(tmp_path)):
+        assert got["outside"].startswith("ValueError: SGD holds a parameter of shape (3,) that "
+                                         "is not one of the model's"), got["outside"]
+        assert "Build the optimizer on model.parameters()" in got["outside"]
+        assert got["before shard"].startswith("ValueError: SGD holds a parameter that zero.shard "
+                                              "replaced"), got["before shard"]
+        assert "Build it after zero.shard" in got["before shard"]
+    assert not os.listdir(tmp_path)  # nothing was written
+
+
+def _save_failing_on_rank1(rank, n, root):
+    """zero.save where rank 1's disk is full as it writes its data."""
+    s = _system("mlp", "zero3", "sgd")
+    zero.save(root, s.model, s.opt)  # v000001
+    if rank == 1:
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+        FileSystemWriter.write_data = write_data  # this forked rank only
+    try:
+        zero.save(root, s.model, s.opt)
+        return "saved"
+    except BaseException as e:  # noqa: BLE001 (DCP's CheckpointException is a BaseException)
+        return type(e).__name__
+
+
+def test_a_failed_save_leaves_nothing_behind(tmp_path):
+    """A full disk fails every rank's save; its partial version goes at once (else every
+    save after it finds the disk as full); ``latest`` stays on the last good one."""
+    got = run_ranks(_save_failing_on_rank1, 2, str(tmp_path))
+    assert "saved" not in got, got
+    assert sorted(os.listdir(tmp_path)) == ["latest", "v000001"]
+    assert os.readlink(tmp_path / "latest") == "v000001"
+
+
+def _save_paused(rank, n, root, gate):
+    """zero.save whose ranks wait, in the middle of writing, until ``gate`` exists."""
+    s = _system("mlp", "zero3", "sgd")
+    write = FileSystemWriter.write_data
+    def paused(self, plan, planner):
+        open(f"{gate}.{rank}", "w").close()
+        while not os.path.exists(gate):
+            time.sleep(0.02)
+        return write(self, plan, planner)
+    FileSystemWriter.write_data = paused
+    return os.getpid(), zero.save(root, s.model, s.opt)
+
+
+def _save_or_error(rank, n, root):
+    s = _system("mlp", "zero3", "sgd")
+    try:
+        return zero.save(root, s.model, s.opt)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def _first_job(results, root, gate):
+    try:
+        results.put(run_ranks(_save_paused, 2, root, gate))
+    except BaseException as e:  # noqa: BLE001 (the test reports it)
+        results.put(f"{type(e).__name__}: {e}"[:2000])
+
+
+def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first(tmp_path):
+    """Two jobs saving into one directory would take the same version number, or delete each
+    other's versions as they write them: the second is refused while the first saves."""
+    import multiprocessing as mp
+    root, gate = str(tmp_path / "ckpt"), str(tmp_path / "gate")
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    first = ctx.Process(target=_first_job, args=(results, root, gate))
+    first.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(f"{gate}.{r}") for r in range(2)):
+            assert time.monotonic() < deadline and first.is_alive(), "the first job never wrote"
+            time.sleep(0.02)
+        second = run_ranks(_save_or_error, 2, root)  # while the first one writes
+    finally:
+        open(gate, "w").close()
+        got = results.get(timeout=60)
+        first.join(30)
+    assert not isinstance(got, str), got
+    (pid, written), _ = got
+    for message in second:
+        assert message.startswith("RuntimeError: rank 0 could not start a new version in the "
+                                  f"checkpoint directory: RuntimeError: another job is saving into "
+                                  f"{root} (pid {pid} on "), message
+    assert written == os.path.join(root, "v000001")
+    assert os.readlink(os.path.join(root, "latest")) == "v000001"
+    assert sorted(os.listdir(root)) == ["latest", "v000001"]
+
+
+# ---- export: where it writes ---------------------------------------------------------------
+
+
+def test_export_refuses_a_directory_or_the_checkpoints_own_files_before_writing(tmp_path):
+    run_ranks(_save_one, 2, str(tmp_path / "ckpt"), 1)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="is a directory: give export the name of the file"):
+        zero.checkpoint.export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert os.listdir(tmp_path / "out") == [] and not list(tmp_path.glob("*.tmp"))
+    version = tmp_path / "ckpt" / "v000001"
+    files = {f: (version / f).read_bytes() for f in os.listdir(version)}
+    for target in (version / "__0_0.distcp", tmp_path / "ckpt" / "latest" / "model.pt",
+                   tmp_path / "ckpt" / "latest"):
+        with pytest.raises(ValueError, match="is a file of the checkpoint .* itself"):
+            zero.checkpoint.export(str(tmp_path / "ckpt"), str(target))
+    assert {f: (version / f).read_bytes() for f in os.listdir(version)} == files
+    assert os.readlink(tmp_path / "ckpt" / "latest") == "v000001"

@@ -12,6 +12,7 @@ import copyreg
 import io
 import os
 import pickle
+import resource
 import shutil
 import subprocess
 import sys
@@ -337,19 +338,44 @@ def _corrupt(ckpt, data, sentinel, byte_records) -> str:
     return f"{how} {file}"
 
 
+def _address_space() -> int:
+    """This process's virtual memory size in bytes (Linux's /proc/self/statm)."""
+    return int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+SLACK = 64 << 20  # what Python, torch and DCP need beyond the files and the shards
+
+
+def _limit_address_space(extra: int) -> None:
+    """From now on, this process may grow by ``extra`` bytes only: an allocation past that
+    raises MemoryError (which no test accepts), instead of taking the machine's memory."""
+    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + extra,
+                                            resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _files_size(ckpt) -> int:
+    return sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+
+
 def _load_and_export(rank, n, ckpt):
-    """At world size 1: zero.load, then export; what each gave."""
+    """At world size 1: zero.load, then export; what each gave. Both run under an address
+    space limit of the files' size and the model's size (a fresh model, and the exported
+    copy), plus ``SLACK``: running out of it, even caught and reported, is "MemoryError",
+    which no test accepts."""
     out = []
     s = _system("zero3", seed=1)
-    try:
-        zero.load(ckpt, s.model, s.opt)
-        out.append(("loaded", (s.full_params(), s.opt.state_dict())))
-    except Exception as e:  # noqa: BLE001 (judged by the caller)
-        out.append((type(e).__name__, str(e)))
-    try:
-        out.append(("loaded", zero.checkpoint.export(ckpt, ckpt + ".pt")))
-    except Exception as e:  # noqa: BLE001
-        out.append((type(e).__name__, str(e)))
+    model = 4 * sum(p.numel() for p in s.model.parameters())
+    _limit_address_space(_files_size(ckpt) + 3 * model + SLACK)
+    for what in ("load", "export"):
+        try:
+            if what == "load":
+                zero.load(ckpt, s.model, s.opt)
+                out.append(("loaded", (s.full_params(), s.opt.state_dict())))
+            else:
+                out.append(("loaded", zero.checkpoint.export(ckpt, ckpt + ".pt")))
+        except Exception as e:  # noqa: BLE001 (judged by the caller)
+            kind = "MemoryError" if "MemoryError" in f"{type(e).__name__}: {e}" else type(e).__name__
+            out.append((kind, str(e)))
     return out
 
 
@@ -434,3 +460,242 @@ def test_damaged_checkpoints_raise_the_same_error_on_every_rank(saved, tmp_path)
         assert got[0][0] in CLEAR and got[0][0] == got[1][0], (what, got)
         assert max(t for _, _, t in got) < 5
     assert not sentinel.exists()
+
+
+# ---- memory in proportion to the file -----------------------------------------------------
+
+TINY = {  # .metadata files of a few bytes that ask the C unpickler for gigabytes
+    "LONG_BINPUT 2**31": b"\x80\x04N" + b"r" + struct.pack("<I", 2**31 - 1) + b".",
+    "PUT 10**9": b"Np1000000000\n.",
+    "BINBYTES8 2**40": b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b"abc.",
+    "BYTEARRAY8 2**40": b"\x80\x05\x96" + struct.pack("<Q", 2**40) + b"abc.",
+}
+MEASURED = {  # the same, asking for 256 MiB: allowed, and measured
+    "LONG_BINPUT 2**24": b"\x80\x04N" + b"r" + struct.pack("<I", 2**24) + b".",
+    "BINBYTES8 2**28": b"\x80\x04\x8e" + struct.pack("<Q", 2**28) + b"abc.",
+}
+
+
+def _read_tiny(rank, n, root, limited):
+    """zero.load of each tiny .metadata, under an address-space limit (``TINY``) or not
+    (``MEASURED``): its error, and the peak of Python's allocations meanwhile (tracemalloc,
+    which sees the unpickler's memo and strings)."""
+    import tracemalloc
+
+    s = _system("zero3")
+    out = {}
+    if limited:
+        _limit_address_space(SLACK)
+    for name, data in (TINY if limited else MEASURED).items():
+        ckpt = os.path.join(root, name.replace(" ", "-"))
+        os.makedirs(ckpt)
+        open(os.path.join(ckpt, ".metadata"), "wb").write(data)
+        tracemalloc.start()
+        try:
+            zero.load(ckpt, s.model, s.opt)
+            out[name] = ("loaded", "", 0)
+        except BaseException as e:  # noqa: BLE001 (MemoryError included: the test says so)
+            out[name] = (type(e).__name__, str(e), tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    return out
+
+
+def test_a_tiny_metadata_cannot_ask_for_gigabytes(tmp_path):
+    """The C unpickler grows its memo to any index a PUT names, 16 bytes a slot (32 GiB for
+    9 bytes), and allocates a counted string before reading it: ours keeps a dict, and reads
+    what the file holds. Under a limit nothing may run out of memory; unlimited, Python's
+    peak while reading a few bytes must stay under 1 MiB."""
+    got = {**run_ranks(_read_tiny, 1, str(tmp_path / "limited"), True)[0],
+           **run_ranks(_read_tiny, 1, str(tmp_path / "measured"), False)[0]}
+    for name, (kind, message, peak) in got.items():
+        print(f"{name}: {kind}, Python's peak {peak:,} B: {message[-90:]}")
+        assert kind == "RuntimeError" and ".metadata is corrupt" in message, (name, kind, message)
+        assert "MemoryError" not in message and peak < 1 << 20, (name, peak, message)
+
+
+# ---- what .metadata says must be what the files hold ----------------------------------------
+
+
+def _try_load_gpt(rank, n, paths):
+    """zero.load of GPT (stage 3, AdamW) on every rank: what it raised, and how fast."""
+    torch.manual_seed(1)
+    s, start = System("zero3", MODELS["gpt"](), "adamw"), time.monotonic()
+    try:
+        zero.load(paths[rank], s.model, s.opt)
+        return "loaded", "", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 (the test looks at what it is)
+        return type(e).__name__, str(e), time.monotonic() - start
+
+
+def _export_in_child(rank, n, ckpt, out):
+    try:
+        zero.checkpoint.export(ckpt, out)
+        return "exported", ""
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+
+
+def _refused_everywhere(ckpt, load, what, tmp_path, timeout=30):
+    """zero.load on 2 ranks and export (in a child: a hang must fail, not stop the suite)
+    both raise a RuntimeError saying ``what``, at once; nothing exported."""
+    got = run_ranks(load, 2, (ckpt, ckpt), timeout=timeout)
+    print(got[0][:2])
+    assert [kind for kind, _, _ in got] == ["RuntimeError"] * 2, got
+    assert all(what in message for _, message, _ in got), got
+    assert max(t for _, _, t in got) < 5
+    out = str(tmp_path / "out.pt")
+    kind, message = run_ranks(_export_in_child, 1, ckpt, out, timeout=timeout)[0]
+    assert kind == "RuntimeError" and what in message, (kind, message)
+    assert not os.path.exists(out)
+
+
+def test_overlapping_chunks_are_refused(saved, tmp_path):
+    """A chunk listed twice adds up to the right count, and leaves rows no chunk writes: DCP
+    loads them as whatever the empty buffer held (torch's dcp.load does too)."""
+    ckpt = _copy(saved["zero-gpt"], tmp_path / "ckpt")
+    def twice(meta):  # (32,), stored as rows [0, 16) and [16, 32): now [0, 16) twice
+        chunks = meta.state_dict_metadata["model.blocks.0.ln1.weight"].chunks
+        chunks[1] = copy.deepcopy(chunks[0])
+    _rewrite_metadata(ckpt, twice)
+    _refused_everywhere(ckpt, _try_load_gpt, "the chunks of model.blocks.0.ln1.weight at (0,) "
+                        "and (0,) overlap", tmp_path)
+
+
+def test_a_fifo_for_a_data_file_is_refused_before_it_is_opened(saved, tmp_path):
+    """Opening a FIFO blocks until someone writes to it: forever, on every rank."""
+    fifo = _copy(saved["zero-mlp"], tmp_path / "fifo")
+    os.remove(os.path.join(fifo, "__1_0.distcp"))
+    os.mkfifo(os.path.join(fifo, "__1_0.distcp"))
+    _refused_everywhere(fifo, _try_load, "__1_0.distcp is a FIFO, not a regular file", tmp_path, 20)
+    link = _copy(saved["zero-mlp"], tmp_path / "link")  # a symlink to one, followed
+    os.remove(os.path.join(link, "__0_0.distcp"))
+    os.symlink(os.path.join(fifo, "__1_0.distcp"), os.path.join(link, "__0_0.distcp"))
+    _refused_everywhere(link, _try_load, "__0_0.distcp is a FIFO, not a regular file", tmp_path, 20)
+    meta = _copy(saved["zero-mlp"], tmp_path / "meta")  # .metadata itself
+    os.remove(os.path.join(meta, ".metadata"))
+    os.mkfifo(os.path.join(meta, ".metadata"))
+    _refused_everywhere(meta, _try_load, ".metadata is a FIFO, not a regular file", tmp_path, 20)
+    # swapped for a FIFO after the checks, as the data is read: read from the file checked
+    swapped = _copy(saved["zero-mlp"], tmp_path / "swapped")
+    want = run_ranks(_load_as_a_fifo_replaces, 2, saved["zero-mlp"], False)
+    got = run_ranks(_load_as_a_fifo_replaces, 2, swapped, True, timeout=20)
+    assert all(isinstance(g, dict) for g in got), got
+    assert all(_same(g, w) for g, w in zip(got, want))
+
+
+def _load_as_a_fifo_replaces(rank, n, ckpt, swap):
+    """zero.load's values, or its error; rank 0 replaces a data file by a FIFO once the
+    reading starts (if ``swap``)."""
+    import torch.distributed as dist
+    import zero.checkpoint.reader as reader
+
+    original = reader.Reader.read_data
+    def read_data(self, *args):
+        if swap and not os.path.exists(os.path.join(ckpt, "swapped")):
+            dist.barrier()
+            if rank == 0:
+                os.remove(os.path.join(ckpt, "__1_0.distcp"))
+                os.mkfifo(os.path.join(ckpt, "__1_0.distcp"))
+                open(os.path.join(ckpt, "swapped"), "w").close()
+            dist.barrier()
+        return original(self, *args)
+    reader.Reader.read_data = read_data
+    s = _system("zero3", seed=1)
+    try:
+        zero.load(ckpt, s.model, s.opt)
+    except Exception as e:  # noqa: BLE001 (the test looks at it)
+        return f"{type(e).__name__}: {e}"
+    return s.full_params()
+
+
+def test_a_record_whose_dtype_is_not_what_metadata_says_is_refused(saved, tmp_path):
+    """DCP copies a record into a template of .metadata's dtype: a float32 record under a
+    float16 entry would load, and export, as float16, silently."""
+    ckpt = _copy(saved["zero-mlp"], tmp_path / "ckpt")
+    _rewrite_metadata(ckpt, lambda meta: setattr(
+        meta.state_dict_metadata["model.inp.weight"].properties, "dtype", torch.float16))
+    _refused_everywhere(ckpt, _try_load, "where .metadata says a torch.float16", tmp_path)
+
+
+def test_a_key_that_is_not_its_path_is_refused(saved, tmp_path):
+    """A flipped bit in a path's first part ("model" -> "modem") moved a parameter out of the
+    model: export wrote a file without it, and exited 0."""
+    ckpt = _copy(saved["zero-mlp"], tmp_path / "ckpt")
+    _rewrite_metadata(ckpt, lambda meta: meta.planner_data.__setitem__(
+        "model.out.bias", ("modem", "out.bias")))
+    _refused_everywhere(ckpt, _try_load, "the key model.out.bias does not match its path", tmp_path)
+
+
+# ---- what a value stored as bytes may be ------------------------------------------------------
+
+
+def _torch_save_of_pickle(pkl: bytes) -> bytes:
+    """A torch.save file whose data.pkl is ``pkl`` (a pickle no Python object pickles to)."""
+    source = zipfile.ZipFile(io.BytesIO(_saved(None)))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in source.infolist():
+            z.writestr(info, pkl if info.filename.endswith("data.pkl") else source.read(info))
+    return out.getvalue()
+
+
+NESTED = 10_000  # deeper than the recursion limit: a deep copy or a repr of it fails
+SHARED = b"N" + b"q\x00h\x00\x86" * 60  # t = (t, t), 60 times: 2**60 parts, to hash or to print
+BAD_VALUES = {
+    # a list of lists, NESTED deep: the optimizer's load_state_dict deep-copies it (RecursionError)
+    "optim.param_groups.0.betas": (_torch_save_of_pickle(
+        b"\x80\x02" + b"]" * NESTED + b"a" * (NESTED - 1) + b"."), "nests deeper than 32 levels"),
+    # the names of a group's parameters, as a number (TypeError: 'int' object is not iterable)
+    "optim.param_groups.0.params": (_saved(5), "param group 0's params are not a list of "
+                                               "parameter names"),
+    # 4 bytes on disk that view 2**34 elements: the first step would materialise 64 GiB
+    "optim.param_groups.0.lr": (_saved(torch.zeros(()).expand(2**34)),
+                                "holds a view of 17,179,869,184 elements on a storage of 4 bytes"),
+    # a dict keyed by SHARED: torch's weights-only unpickler hashes it for ever
+    "optim.param_groups.0.eps": (_torch_save_of_pickle(b"\x80\x02}" + SHARED + b"K\x01s."),
+                                 "no more parts than a pickle of"),
+}
+
+
+def _try_loads(rank, n, cases):
+    """``_try_load`` of each of ``cases`` (name: path), in one group of ranks."""
+    return {name: _try_load(rank, n, (path, path)) for name, path in cases.items()}
+
+
+def test_values_stored_as_bytes_are_plain_data_or_refused_by_name(saved, tmp_path):
+    paths = {}
+    for key, (payload, _) in BAD_VALUES.items():
+        paths[key] = _copy(saved["zero-mlp"], tmp_path / key)
+        _point_at(paths[key], key, payload)
+    got = run_ranks(_try_loads, 2, paths, timeout=60)
+    for key, (_, what) in BAD_VALUES.items():
+        print(key, got[0][key][:2])
+        assert [g[key][0] for g in got] == ["RuntimeError"] * 2, (key, got)
+        assert all(what in g[key][1] and key in g[key][1] for g in got), (key, got)
+
+
+# ---- nested pickles in .metadata --------------------------------------------------------------
+
+META = b"\x80\x04\x8c%torch.distributed.checkpoint.metadata\x94\x8c\x08Metadata\x93"
+DEEP_METADATA = {
+    # a list NESTED deep where a tensor's metadata belongs (its repr: RecursionError)
+    "nested value": (META + b"(}\x8c\x07model.x" + b"]" * NESTED + b"a" * (NESTED - 1)
+                     + b"s}\x8c\x07model.x(\x8c\x05model\x8c\x01xts}t" + b"R.",
+                     "model.x is described by a list"),
+    # a key of 2**60 parts, 305 bytes: hashing it never ends
+    "shared key": (META + b"(}" + SHARED + b"Ns}\x8c\x01x\x8c\x01x\x85s}t" + b"R.",
+                   "as a key that is not a small"),
+}
+
+
+def test_deeply_nested_metadata_is_refused_by_name(tmp_path):
+    paths = {}
+    for name, (data, _) in DEEP_METADATA.items():
+        paths[name] = str(tmp_path / name.replace(" ", "-"))
+        os.makedirs(paths[name])
+        open(os.path.join(paths[name], ".metadata"), "wb").write(data)
+    got = run_ranks(_try_loads, 2, paths, timeout=60)
+    for name, (_, what) in DEEP_METADATA.items():
+        print(name, got[0][name][:2])
+        assert [g[name][0] for g in got] == ["RuntimeError"] * 2, (name, got)
+        assert all(".metadata is corrupt" in g[name][1] and what in g[name][1] for g in got), got

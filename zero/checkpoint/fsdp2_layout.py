@@ -99,6 +99,7 @@ def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
     if seg[-1]:
         # (L,) per rank -> (N*L,): every rank's chunks of this unit, transient
         comm.all_gather(got, send, group=unit.group, unit=unit.name, phase="other")
+    del send  # (before the shard is allocated: load holds one unit, not one and a bit)
 
     shard = unit.sharded.new_zeros(layout.shard_numel, dtype=dtype)
     for piece in layout.pieces(unit.rank):

@@ -1,43 +1,81 @@
-"""How ``load`` and ``export`` have DCP read a checkpoint: as data only, and only as written.
+"""How ``load`` and ``export`` have DCP read a checkpoint: as data only, only as written, and
+only from the version they resolved.
 
 ``dcp.load`` with its defaults would, on every rank, unpickle ``.metadata`` again with plain
 ``pickle`` and load the values it stored as bytes (an optimizer's ``lr``, ``betas``, its
 params' names) with ``torch.load(weights_only=False)``: either runs whatever code a crafted
-checkpoint holds. And it trusts every byte: torch.save writes each record as a zip whose
-entries carry a CRC-32, but ``torch.load`` never checks it, so a flipped bit in a tensor loads
-as a wrong number. Here:
+checkpoint holds. It opens every file by its path, at the moment it reads it, so a save that
+flips ``latest`` in between makes it read two checkpoints. And it trusts every byte: torch.save
+writes each record as a zip whose entries carry a CRC-32, but ``torch.load`` never checks it,
+so a flipped bit in a tensor loads as a wrong number. Here:
 
 - ``Reader`` hands DCP the ``.metadata`` already read with the allow-list
-  (``zero/checkpoint/safe_pickle.py``) and checked (``zero/checkpoint/directory.py``), and checks the CRC-32 of
-  every record this rank reads, before DCP reads it;
-- ``Planner`` loads the values stored as bytes with ``torch.load(weights_only=True)``;
+  (``zero/checkpoint/safe_pickle.py``) and checked (``zero/checkpoint/checks.py``); it opens
+  each data file of the resolved version once, a regular file (checked on the open file), and
+  DCP reads through those open files only: deleting the version afterwards changes nothing,
+  deleting it before fails by name. ``prepare`` checks every record a rank will read before
+  the first byte is loaded: the CRC-32 of each zip entry, its pickle (a dry run: nothing that
+  would make torch's unpickler hash without end), and that a tensor's record holds the dtype
+  and shape ``.metadata`` says (DCP would cast a float32 record into a float16 template);
+- ``Planner`` loads the values stored as bytes with ``torch.load(weights_only=True)``, and
+  refuses one nested past ``_DEPTH`` levels, sharing a part, or holding a tensor that views
+  more elements than its storage has (a stride-0 view of 2**34 elements is 4 bytes on disk,
+  64 GiB in the optimizer's first step);
 - tensors DCP already loads with ``weights_only=True``.
 ``read`` runs ``dcp.load`` with both and turns its failures into one clear error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import warnings
 import zipfile
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from zero.checkpoint import safe_pickle
+from zero.checkpoint.checks import open_regular
 from zero.checkpoint.safe_pickle import ADVICE, UntrustedCheckpointError
+
+_DEPTH = 32  # a value stored as bytes: an option (a float, a tuple, a list of names)
 
 
 class Reader(FileSystemReader):
-    """DCP's file reader, given the checked metadata; it verifies each record it reads."""
+    """DCP's file reader over one version's files, each opened once and read only through
+    that open file; each record is verified before DCP reads it (``prepare``)."""
 
     def __init__(self, ckpt: str, metadata: Metadata):
         super().__init__(ckpt)
-        self.metadata = metadata
+        self.ckpt, self.metadata = ckpt, metadata
+        self.fs = _OpenFiles(self)
+        self.fds: dict[str, int] = {}
+        self.verified: set = set()
+
+    def prepare(self, indices) -> None:
+        """Open the files holding ``indices`` (storage_data keys) and verify each record."""
+        for index in indices:
+            if index not in self.verified:
+                self._verify(index)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = open_regular(os.path.join(self.ckpt, name), self.ckpt)
+        return self.fds[name]
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.metadata.storage_meta = self.metadata.storage_meta or StorageMeta()
@@ -45,35 +83,77 @@ class Reader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan, planner):
-        for index in {item.storage_index for item in plan.items}:  # each record once
-            self._verify(index.fqn, self.storage_data[index])
+        self.prepare({item.storage_index for item in plan.items})  # (prepared: nothing left)
         return super().read_data(plan, planner)
 
-    def _verify(self, fqn: str, where) -> None:
-        """Check a record's zip entries against the CRC-32s torch.save wrote (a CRC of 0:
-        written with ``torch.serialization.set_crc32_options(False)``, nothing to check)."""
-        if where.transform_descriptors:  # compressed by a DCP extension: not a plain zip
-            return
-        with open(os.path.join(self.path, where.relative_path), "rb") as f:
-            try:
-                with zipfile.ZipFile(_Window(f, where.offset, where.length)) as z:
-                    for info in z.infolist():
-                        if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses
-                            raise zipfile.BadZipFile(f"{info.filename} is compressed")
-                        if info.CRC:
-                            with z.open(info) as entry:  # raises at the end if the CRC differs
-                                while entry.read(1 << 24):
-                                    pass
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-                raise RuntimeError(f"the bytes of {fqn} in {where.relative_path} are damaged "
-                                   f"({e}); load an earlier checkpoint") from None
+    def _verify(self, index) -> None:
+        """A record's zip entries match their CRC-32s (0: written with
+        ``torch.serialization.set_crc32_options(False)``, nothing to check), its pickle is
+        safe for torch's unpickler, and a tensor's record holds what ``.metadata`` says."""
+        where = self.metadata.storage_data[index]
+        window = _Window(self.fd(where.relative_path), where.offset, where.length)
+        try:
+            with zipfile.ZipFile(window) as z:
+                infos = z.infolist()
+                for info in infos:
+                    if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses
+                        raise zipfile.BadZipFile(f"{info.filename} is compressed")
+                    if info.CRC:
+                        with z.open(info) as entry:  # raises at the end if the CRC differs
+                            while entry.read(1 << 24):
+                                pass
+                names = [info.filename for info in infos]
+                if len(set(names)) < len(names):  # which one would torch read?
+                    raise zipfile.BadZipFile("it names an entry twice")
+                prefix = names[0].split("/")[0] if names else ""  # torch's archive name
+                safe_pickle.dry_run(z.read(f"{prefix}/data.pkl"), where.relative_path)
+            md = self.metadata.state_dict_metadata[index.fqn]
+            if isinstance(md, TensorStorageMetadata):
+                _check_tensor(window, infos, md, index.offset)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, TypeError,
+                pickle.UnpicklingError, RuntimeError) as e:
+            detail = str(e)[:300] if isinstance(e, zipfile.BadZipFile) else f"{type(e).__name__}: {str(e)[:300]}"
+            raise RuntimeError(f"checkpoint {self.ckpt}: the bytes of {index.fqn} in "
+                               f"{where.relative_path} are damaged ({detail}); load an earlier "
+                               "checkpoint") from None
+        self.verified.add(index)
+
+
+def _check_tensor(window, infos, md: TensorStorageMetadata, offsets) -> None:
+    """The record holds one tensor of the chunk's dtype and shape, its storage all there.
+
+    ``map_location="meta"`` reads the record's pickle and none of its data.
+    """
+    window.seek(0)
+    t = torch.load(io.BufferedReader(window), map_location="meta", weights_only=True)
+    sizes = next(c.sizes for c in md.chunks if c.offsets == offsets)
+    if type(t) is not torch.Tensor or t.dtype != md.properties.dtype or t.shape != sizes:
+        what = f"a {t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+        raise ValueError(f"it holds {what} where .metadata says a {md.properties.dtype} "
+                         f"{tuple(sizes)}")
+    data = [i for i in infos if i.filename.partition("/")[2].startswith("data/")]
+    if len(data) != 1 or data[0].file_size != t.untyped_storage().nbytes():
+        raise ValueError("its storage is not the one record its tensor reads")
+
+
+class _OpenFiles(FileSystem):
+    """What DCP's file reader opens: the reader's open file of that name, never the path."""
+
+    def __init__(self, reader: Reader):
+        self.reader = reader
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with os.fdopen(os.dup(self.reader.fd(Path(path).name)), "rb") as f:
+            yield f
 
 
 class _Window(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file, as a file of their own."""
+    """Bytes ``[offset, offset + length)`` of an open file, as a file of their own (``pread``:
+    the file's own position is left alone)."""
 
-    def __init__(self, f, offset: int, length: int):
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -89,10 +169,10 @@ class _Window(io.RawIOBase):
         return self.pos
 
     def readinto(self, buffer) -> int:
-        self.f.seek(self.offset + self.pos)
-        n = self.f.readinto(memoryview(buffer)[: self.length - self.pos])
-        self.pos += n
-        return n
+        data = os.pread(self.fd, min(len(buffer), self.length - self.pos), self.offset + self.pos)
+        memoryview(buffer)[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 class Planner(DefaultLoadPlanner):
@@ -106,11 +186,38 @@ class Planner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:  # torch's allow-list refused it
             raise UntrustedCheckpointError(f"{where} is not plain data ({_reason(e)}): {ADVICE}") from None
         except Exception as e:  # noqa: BLE001 (a torch.save file cut or garbled)
-            raise RuntimeError(f"{where} is corrupt ({type(e).__name__}: {e})") from None
+            raise RuntimeError(f"{where} is corrupt ({type(e).__name__}: {str(e)[:300]})") from None
+        if problem := _unplain(obj):
+            raise RuntimeError(f"{where} is corrupt: it {problem}; load an earlier checkpoint")
         if self.flatten_state_dict:  # what DefaultLoadPlanner.load_bytes does with it
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _unplain(obj) -> str | None:
+    """What makes a value stored as bytes more than plain data, or None: nesting deeper than
+    ``_DEPTH`` (a deep copy recurses), a part held twice, a tensor viewing more elements than
+    its storage holds. One walk, without recursion."""
+    todo, seen = [(obj, 0)], set()
+    while todo:
+        o, depth = todo.pop()
+        if isinstance(o, (str, bytes, int, float, complex, type(None), torch.dtype, torch.device)):
+            continue
+        if depth >= _DEPTH:
+            return f"nests deeper than {_DEPTH} levels"
+        if id(o) in seen:
+            return "holds one part twice"
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.numel() * o.element_size() > o.untyped_storage().nbytes():
+                return (f"holds a view of {o.numel():,} elements on a storage of "
+                        f"{o.untyped_storage().nbytes():,} bytes")
+        elif isinstance(o, dict):
+            todo += [(x, depth + 1) for kv in o.items() for x in kv]
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo += [(x, depth + 1) for x in o]
+    return None
 
 
 def _reason(e: Exception) -> str:
@@ -121,16 +228,24 @@ def _reason(e: Exception) -> str:
     return "; ".join(line for line in lines if line and not line.startswith(skip)) or type(e).__name__
 
 
-def read(template: dict, ckpt: str, metadata: Metadata, no_dist: bool = False) -> None:
-    """``dcp.load`` into ``template`` through ``Reader`` and ``Planner``; DCP's failures (it
-    gathers every rank's) become one error, the same on every rank."""
+def read(template: dict, reader: Reader, alone: bool = False) -> None:
+    """``dcp.load`` into ``template`` through ``reader`` and ``Planner``; DCP's failures (it
+    gathers every rank's) become one error, the same on every rank.
+
+    ``alone``: this rank plans and reads by itself, with no collective (``export``, and a
+    unit's chunks, whose every record ``prepare`` has verified: the caller then tells the
+    other ranks whether it failed).
+    """
     try:
-        dcp.load(template, storage_reader=Reader(ckpt, metadata), planner=Planner(),
-                 no_dist=no_dist)
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=reader, planner=Planner(), no_dist=alone)
     except CheckpointException as e:
         failures = [exc for exc, _ in e.failures.values()]
         if refused := [f for f in failures if isinstance(f, UntrustedCheckpointError)]:
-            raise UntrustedCheckpointError(f"checkpoint {ckpt}: {refused[0]}") from None
+            raise UntrustedCheckpointError(f"checkpoint {reader.ckpt}: {refused[0]}") from None
+        if gone := [f for f in failures if isinstance(f, FileNotFoundError)]:
+            raise FileNotFoundError(str(gone[0])) from None
         lines = [f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in e.failures.items()]
-        raise RuntimeError(f"reading {ckpt} failed; its data files are corrupt: " +
+        raise RuntimeError(f"reading {reader.ckpt} failed; its data files are corrupt: " +
                            "; ".join(lines)) from None

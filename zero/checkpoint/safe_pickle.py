@@ -23,6 +23,24 @@ So everything a pickle can reach is data or one of these harmless callables. One
 left: BUILD on an object that is not new (an allowed class itself, an enum member) changes it
 for the whole process (a pickle can give ``StorageMeta`` a class attribute). ``load_metadata``
 checks that none of them changed, and refuses the file (undoing the change) if one did.
+
+[Note: memory and time in proportion to the file]
+Running no code is not enough: a pickle of nine bytes can still ask for gigabytes, or for a
+computation that never ends, through the unpickler's own machinery.
+- The memo. The C unpickler keeps it in an array, grown to twice any index a PUT names and
+  zero-filled: ``LONG_BINPUT 2**31`` asks for 32 GiB (torch's ``dcp.load`` does this too).
+  Python's own pure-Python unpickler, ``pickle._Unpickler``, keeps it in a dict, one entry a
+  PUT; it is ours. It also reads a counted string (BINBYTES8) from what the file holds, where
+  the C one allocates the count first; both do for BYTEARRAY8, refused (DCP never writes one).
+- Hashing. Putting a key in a dict hashes it, and a tuple's hash walks all of it again each
+  time, in C, with no recursion limit: a tuple nested a hundred thousand deep crashes the
+  process, and a few dozen levels that each hold the one below twice (the memo shares them)
+  take 2**levels steps. So a key (a dict's, a set's, an enum value) must be what DCP's keys
+  are, small: a string or number, a short tuple of them (a path, a ``torch.Size``) or a
+  ``MetadataIndex`` of those; anything else is refused before it is hashed.
+Nothing else in an unpickler's work grows faster than the file: each opcode reads its own
+bytes and makes one object. What the objects say (sizes, paths) is checked by
+``zero/checkpoint/checks.py``, without printing them (a repr walks shared parts again too).
 """
 
 from __future__ import annotations
@@ -46,7 +64,15 @@ ADVICE = ("the file is corrupt, or was made to run code when loaded; nothing in 
 
 
 def _layout(name: str) -> torch.layout:  # torch pickles a layout as _get_layout(str(layout))
+    if type(name) is not str:
+        raise pickle.UnpicklingError(f"a layout is named by a string, not a {type(name).__name__}")
     return _LAYOUTS[name]
+
+
+def _mem_format(value: int) -> md._MEM_FORMAT_ENCODING:  # the enum, called with its value
+    if type(value) is not int:
+        raise pickle.UnpicklingError(f"_MEM_FORMAT_ENCODING has int values, not {type(value).__name__}")
+    return md._MEM_FORMAT_ENCODING(value)
 
 
 def _posix_path(*parts: str) -> PurePosixPath:  # a PosixPath pickles as PosixPath(*parts)
@@ -66,11 +92,12 @@ _DTYPES = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 # (tests/test_checkpoint_security.py). Containers, strings, numbers, bools and None need no
 # import: pickle has opcodes for them.
 ALLOWED: dict[tuple[str, str], object] = {
-    # the dataclasses a Metadata is made of, and the enum TensorProperties pickles its
-    # memory_format as
+    # the dataclasses a Metadata is made of
     **{("torch.distributed.checkpoint.metadata", name): getattr(md, name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+        "TensorProperties", "MetadataIndex", "StorageMeta")},
+    # the enum TensorProperties pickles its memory_format as (called with an int only)
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format,
     # storage_data's values: which file, offset and length hold each chunk
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,  # sizes, chunk offsets and sizes
@@ -83,10 +110,62 @@ ALLOWED: dict[tuple[str, str], object] = {
 
 # The allowed objects that a BUILD could change for the whole process: classes, enum members,
 # our functions (dtypes and layouts have no __dict__; torch.Size, a C type, refuses setattr).
-_SHARED = [o for o in ALLOWED.values() if hasattr(o, "__dict__")] + list(md._MEM_FORMAT_ENCODING)
+_SHARED = ([o for o in ALLOWED.values() if hasattr(o, "__dict__")]
+           + [md._MEM_FORMAT_ENCODING, *md._MEM_FORMAT_ENCODING])
+
+_KEY_NODES = 64  # a key's parts, at most: DCP's are a string, a path or a MetadataIndex
+_ATOMS = (str, bytes, int, float, bool, type(None))
 
 
-class _Unpickler(pickle.Unpickler):
+def _small_key(obj) -> bool:
+    """Whether ``obj`` is a key like DCP's, cheap to hash (see the note): a walk of at most
+    ``_KEY_NODES`` parts, however the memo shares them."""
+    todo, left = [obj], _KEY_NODES
+    while todo:
+        o = todo.pop()
+        left -= 1
+        if left < 0:
+            return False
+        if type(o) in _ATOMS or isinstance(o, torch.dtype):
+            continue
+        if type(o) in (tuple, torch.Size) and len(o) <= left:
+            todo.extend(o)
+        elif type(o) is md.MetadataIndex:  # hashed as (fqn, offset)
+            todo += [vars(o).get("fqn"), vars(o).get("offset")]
+        else:
+            return False
+    return True
+
+
+def _keys_checked(load, keys):
+    """``load`` (an opcode that hashes ``keys(stack)``), once every key is small."""
+    def checked(self):
+        for key in keys(self.stack):
+            if not _small_key(key):
+                raise pickle.UnpicklingError(
+                    f"it uses a {type(key).__name__} as a key that is not a small string, "
+                    "number, tuple or MetadataIndex, as DCP's keys are")
+        load(self)
+    return checked
+
+
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler (a dict memo), handing out only ``ALLOWED``, hashing only
+    small keys (see the notes)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    # (the pure-Python unpickler starts a new stack at each MARK: the items are the stack)
+    for _op, _keys in ((pickle.SETITEM, lambda s: s[-2:-1]), (pickle.SETITEMS, lambda s: s[0::2]),
+                       (pickle.DICT, lambda s: s[0::2]), (pickle.ADDITEMS, lambda s: s),
+                       (pickle.FROZENSET, lambda s: s)):
+        dispatch[_op[0]] = _keys_checked(dispatch[_op[0]], _keys)
+    del _op, _keys
+
+    def load_bytearray8(self):  # it allocates the count before reading; DCP never writes one
+        raise pickle.UnpicklingError("it holds a BYTEARRAY8, which DCP's metadata never does")
+
+    dispatch[pickle.BYTEARRAY8[0]] = load_bytearray8
+
     def __init__(self, file, where: str):
         super().__init__(file)
         self.where = where
@@ -99,15 +178,73 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         raise UntrustedCheckpointError(
-            f"{self.where} holds a persistent id ({str(pid)[:80]!r}), which DCP's metadata "
-            f"never does: {ADVICE}")
+            f"{self.where} holds a persistent id (a {type(pid).__name__}), which DCP's "
+            f"metadata never does: {ADVICE}")
+
+
+class _Opaque(dict):
+    """What a dry run builds for whatever a pickle names: nothing is looked up or called."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def append(self, item):
+        pass
+
+    def extend(self, items):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+class _DryRun(_Unpickler):
+    """Walks a torch.save file's pickle as torch's weights-only unpickler will, building
+    ``_Opaque`` for every global and storage, to refuse what would make that one hash
+    without end or crash: keys that are not small, and tuples nested past ``_KEY_NODES``
+    levels or holding more parts (shared ones counted each time) than the file has bytes."""
+
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data), where)
+        self.budget, self.tuples = len(data), {}
+
+    def find_class(self, module: str, name: str):
+        return _Opaque
+
+    def persistent_load(self, pid):
+        return _Opaque()
+
+    def _tuple_checked(self):
+        t = self.stack[-1]
+        parts = [self.tuples.get(id(x), (x, 0, 1)) for x in t]
+        depth, count = 1 + max((d for _, d, _ in parts), default=0), 1 + sum(c for *_, c in parts)
+        if depth > _KEY_NODES or count > self.budget:
+            raise pickle.UnpicklingError(
+                f"it builds a tuple {depth} levels deep, of {count} parts counted whole: at most "
+                f"{_KEY_NODES} levels, and no more parts than a pickle of {self.budget} bytes "
+                "holds unshared")
+        self.tuples[id(t)] = (t, depth, count)  # (holding t: its id stays its own)
+
+    dispatch = dict(_Unpickler.dispatch)
+    for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
+        dispatch[_op[0]] = (lambda load: lambda self: (load(self), self._tuple_checked()))(
+            dispatch[_op[0]])
+    del _op
+
+
+def dry_run(data: bytes, where: str) -> None:
+    """Raise ``pickle.UnpicklingError`` unless ``data`` (a torch.save file's ``data.pkl``) is
+    safe to hand to torch's weights-only unpickler, which hashes every key it meets, in C
+    (a tuple key nested a million deep crashes ``torch.load(weights_only=True)``)."""
+    _DryRun(data, where).load()
 
 
 def load_metadata(data: bytes, where: str):
     """Unpickle ``data`` (the bytes of the file ``where``) with nothing but ``ALLOWED``.
 
     Raises ``UntrustedCheckpointError`` for anything else, or pickle's own error for a file
-    that is not a pickle; what it returns, the caller still has to check (``checkpoint_dir``).
+    that is not a pickle; what it returns, the caller still has to check
+    (``zero/checkpoint/checks.py``).
     """
     before = [(o, dict(vars(o))) for o in _SHARED]
     try:

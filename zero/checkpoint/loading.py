@@ -1,0 +1,305 @@
+"""``zero.load``: a checkpoint in FSDP2's layout into our shards, one unit at a time.
+
+    zero.load("ckpt", model, opt)     # at any world size, into any stage, or FSDP2's checkpoint
+
+Three steps, each on every rank:
+1. Check, then agree (``_agreed``): resolve ``latest`` once to its version, read and check
+   ``.metadata``, the fit to the model and the files, open this rank's files and verify every
+   record it will read (``zero/checkpoint/reader.py``); then one small all-gather, so that a
+   bad checkpoint raises on every rank and none waits in a collective.
+2. The small things, whole: buffers, the optimizer's param groups and its ``step``s; the
+   param groups are matched to ours before anything is written.
+3. The units, one at a time: DCP fills this rank's FSDP2 chunk of each of the unit's
+   parameters and elementwise optimizer state, into buffers of the chunk's size, and
+   ``chunks_to_flat`` turns them into our shard (one all-gather of the unit). So no rank
+   holds more than its own shards and one unit in full, whatever the model's size; the
+   optimizer's new state is views into one shard-sized buffer per unit and key.
+The optimizer takes its new state last, all at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from zero import comm
+from zero.checkpoint import checks, reader, safe_pickle
+from zero.checkpoint import directory as ckdir
+from zero.checkpoint.dcp import check_optimizer, entries_of, first_names
+from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
+from zero.core import registry
+from zero.core.registry import units_of
+
+
+def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """Load a checkpoint into ``model`` (and ``optimizer``); call on every rank.
+
+    Args:
+        path: a ``zero.save`` directory (its ``latest`` is read, once) or any DCP checkpoint
+            in FSDP2's layout (``dcp.save({"model": ..., "optim": ...})``), saved at any
+            world size and stage.
+        model: the same model, sharded with ``zero.shard``.
+        optimizer: an optimizer built on ``model.parameters()``, with or without state yet;
+            its state and param-group options are replaced by the checkpoint's.
+
+    Returns:
+        The DCP directory read (``path/v000003``).
+
+    Raises (on every rank, whichever rank found it):
+        FileNotFoundError: no checkpoint at ``path``, or the version was deleted as it was read.
+        UntrustedCheckpointError: it holds a pickle that would run code (it was not run).
+        RuntimeError: the checkpoint is corrupt or truncated (names the keys affected), or
+            the ranks read different checkpoints.
+        ValueError: it was saved from another model (names the keys and shapes that differ),
+            or the optimizer does not hold the model's parameters.
+    """
+    units, names, entries = units_of(model), first_names(model), entries_of(model)
+    with_optim = optimizer is not None
+    found, meta, elementwise = _agreed(path, _checked, path, model, optimizer, units, entries)
+    try:
+        rest = _rest(meta, entries, elementwise, with_optim)
+        reader.read(rest, found)
+        if with_optim:
+            groups = _groups(optimizer, names, _checked_optim(found.ckpt, rest["optim"]))
+        with torch.no_grad():
+            state = _load_units(found, meta, units, names, entries, elementwise, with_optim)
+            _raise_together(found.ckpt, state.pop(None, None))
+            for k, t in entries.items():
+                if not registry.is_piece(t):
+                    t.copy_(rest["model"][k])  # buffers and unsharded parameters: whole
+    finally:
+        found.close()
+    if with_optim:
+        _load_optim(optimizer, names, rest["optim"]["state"], state, elementwise, groups)
+    return found.ckpt
+
+
+def _checked(path: str, model, optimizer, units, entries):
+    """Every check before the first byte is loaded, on this rank alone (no collective)."""
+    check_optimizer(model, optimizer)
+    shapes = {k: registry.unit_of(t).layout.shapes[registry.index_of(t)] if registry.is_piece(t)
+              else t.shape for k, t in entries.items()}
+    ckpt = ckdir.resolve(path)
+    meta, fingerprint = checks.read_metadata(ckpt)
+    elementwise = checks.check_fits(ckpt, meta, shapes, optimizer is not None)
+    # (an ignored parameter is whole on every rank: so is its state, loaded with the rest)
+    elementwise = {n: ks for n, ks in elementwise.items() if registry.is_piece(entries[n])}
+    found = reader.Reader(ckpt, meta)
+    try:
+        found.prepare(_records(meta, _boxes(units, entries, elementwise, meta, optimizer)))
+    except BaseException:
+        found.close()
+        raise
+    return (found, meta, elementwise), fingerprint
+
+
+def _boxes(units, entries, elementwise, meta, optimizer) -> dict:
+    """``{checkpoint key: (first row, end row) this rank loads, or None: all of it}``."""
+    boxes = {}
+    for k, t in entries.items():
+        boxes[f"model.{k}"] = _rows(t) if registry.is_piece(t) else None
+    if optimizer is not None:
+        pieces = {n: t for n, t in entries.items() if registry.is_piece(t)}
+        for key, path in meta.planner_data.items():
+            if path[0] == "optim":
+                mine = len(path) == 4 and path[1] == "state" and path[3] in elementwise.get(path[2], ())
+                boxes[key] = _rows(pieces[path[2]]) if mine else None
+    return boxes
+
+
+def _rows(piece) -> tuple[int, int] | None:
+    """This rank's FSDP2 chunk of the parameter ``piece`` belongs to, as rows (0-d: None)."""
+    unit = registry.unit_of(piece)
+    shape = unit.layout.shapes[registry.index_of(piece)]
+    if len(shape) == 0:
+        return None
+    c = -(-shape[0] // unit.world_size)
+    return min(unit.rank * c, shape[0]), min((unit.rank + 1) * c, shape[0])
+
+
+def _records(meta, boxes: dict) -> list:
+    """The storage_data keys of every stored chunk that overlaps what this rank loads."""
+    found = []
+    for key, rows in boxes.items():
+        md = meta.state_dict_metadata[key]
+        if not isinstance(md, TensorStorageMetadata):
+            found.append(MetadataIndex(key))
+            continue
+        for c in md.chunks:
+            if rows is None or (c.offsets[0] < rows[1] and rows[0] < c.offsets[0] + c.sizes[0]):
+                found.append(MetadataIndex(key, c.offsets))
+    return found
+
+
+_ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
+                                   safe_pickle.UntrustedCheckpointError)}
+
+
+def _agreed(path: str, checks_: Callable, *args):
+    """Run ``checks_`` on every rank, then agree, in one small all-gather, before any collective
+    that moves data: every rank returns, or every rank raises (its own error, or else the first
+    failing rank's). Ranks can see different files: a node-local disk, an unfinished copy."""
+    mine, fingerprint, value = None, None, None
+    try:
+        value, fingerprint = checks_(*args)
+    except Exception as e:  # noqa: BLE001 (reported on every rank below)
+        mine = e
+    error = None if mine is None else (type(mine).__name__, str(mine))
+    told = comm.all_gather_object((error, fingerprint))
+    if mine is not None:
+        raise mine
+    failed = [(r, error) for r, (error, _) in enumerate(told) if error]
+    if failed or len({f for _, f in told}) > 1:
+        value[0].close()
+    if failed:
+        rank, (kind, message) = failed[0]
+        raise _ERRORS.get(kind, RuntimeError)(f"rank {rank} cannot load {path}: {message}")
+    if len({f for _, f in told}) > 1:
+        raise RuntimeError(
+            f"the ranks read different checkpoints at {path} (their .metadata differ): every "
+            "rank must see the same, complete checkpoint: put it on a file system they share, "
+            "load it once it is fully written or copied, and if a save into it moved 'latest' "
+            "between the ranks' reads, load again")
+    return value
+
+
+def _rest(meta, entries, elementwise, with_optim: bool) -> dict:
+    """What is loaded whole, first: buffers and unsharded parameters, and of the optimizer
+    all but its elementwise state (param groups, ``step``). Empty tensors, None for bytes."""
+    template: dict = {"model": {}, "optim": {"state": {}}}
+    for key, md in meta.state_dict_metadata.items():
+        path = meta.planner_data[key]
+        if path[0] == "model":
+            if registry.is_piece(entries[path[1]]):
+                continue
+        elif not (with_optim and path[0] == "optim"):
+            continue
+        elif path[1] == "state" and len(path) == 4 and path[3] in elementwise.get(path[2], ()):
+            continue
+        value = (torch.empty(md.size, dtype=md.properties.dtype)
+                 if isinstance(md, TensorStorageMetadata) else None)
+        set_element(template, path, value)
+    return template
+
+
+def _load_units(found, meta, units, names, entries, elementwise, with_optim: bool) -> dict:
+    """Each unit's chunks from disk into its shard, then its elementwise state one key at a
+    time (so one kind of chunk is held at once); returns the new state ``{param: {key: this
+    rank's piece}}``, views into one buffer per unit and key, and under None this rank's read
+    failure, if one failed (it still took part in every collective: see ``_raise_together``)."""
+    aliases: dict = {}  # every name of each piece (tied parameters have several)
+    for k, t in entries.items():
+        if registry.is_piece(t):
+            aliases.setdefault(t, []).append(k)
+    state: dict = {}
+    for unit in units:
+        keys = sorted({k for p in unit.params for k in elementwise.get(names[p], ())}) if with_optim else []
+        shard = _read_unit(found, meta, unit, lambda p: [("model", k) for k in aliases.get(p, ())], state)
+        unit.wait_unshard()  # stages 1/2: a gather of the old shard must not land after this
+        unit.sharded.copy_(shard)
+        unit.shard_changed()  # stages 1/2 re-gather their full parameters, stage 3 drops them
+        del shard
+        for key in keys:  # one read and one all-gather per unit and state key, like saving
+            owns = lambda p: key in elementwise.get(names[p], ())  # noqa: E731
+            shard = _read_unit(found, meta, unit, lambda p: [("optim", "state", names[p], key)]
+                               if owns(p) else [], state)
+            for i, p in enumerate(unit.params):
+                if owns(p):
+                    state.setdefault(p, {})[key] = unit.piece(shard, i)
+    return state
+
+
+def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
+    """(S,) this rank's shard of what ``paths(param)`` name in the checkpoint (the unit's
+    parameters, or one state key of them): DCP reads this rank's FSDP2 chunk of each, into a
+    buffer of that size, by itself (every record is verified: no collective to plan it), then
+    one all-gather of the unit turns the chunks into our shard."""
+    mesh = mesh_of(unit.group, unit.sharded.device)
+    template: dict = {}
+    chunks: list = []
+    for p, shape in zip(unit.params, unit.layout.shapes):
+        where = paths(p)
+        chunks.append(None)
+        if where:
+            md = meta.state_dict_metadata[".".join(map(str, where[0]))]
+            dtype = unit.sharded.dtype if where[0][0] == "model" else md.properties.dtype
+            mine = chunk_of(shape, unit.world_size, unit.rank).shape
+            chunks[-1] = to_dtensor(unit.sharded.new_empty(mine, dtype=dtype), shape, mesh)
+        for path in where:  # (a tied parameter: under each of its names)
+            set_element(template, path, chunks[-1])
+    if template and None not in state:
+        try:
+            reader.read(template, found, alone=True)
+        except Exception as e:  # noqa: BLE001 (told to every rank once all units are done)
+            state[None] = f"{type(e).__name__}: {e}"
+    del template
+    return chunks_to_flat(unit, [_local(c) if c is not None else None for c in chunks])
+
+
+def _raise_together(ckpt: str, failure: str | None) -> None:
+    """After the units: every rank raises if one rank's read failed (its checks had passed:
+    a disk's read error). The units it had loaded hold what the other ranks sent."""
+    told = comm.all_gather_object(failure)
+    if failed := [(r, f) for r, f in enumerate(told) if f]:
+        raise RuntimeError(f"rank {failed[0][0]} could not read {ckpt} after checking it "
+                           f"({failed[0][1]}); the model is partly loaded: load again")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _checked_optim(ckpt: str, saved: dict) -> dict:
+    """The optimizer's param groups as DCP loaded them, refused by name unless each is a dict
+    of options with its ``params`` a list of parameter names."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not groups:
+        problem = f"its param_groups are a {type(groups).__name__}, not a list of groups"
+    else:
+        problem = next((f"param group {i} is a {type(g).__name__}, not a dict" if not isinstance(g, dict)
+                        else f"param group {i}'s params are not a list of parameter names"
+                        for i, g in enumerate(groups)
+                        if not isinstance(g, dict) or not isinstance(g.get("params"), list)
+                        or not all(isinstance(n, str) for n in g["params"])), None)
+    if problem:
+        raise RuntimeError(f"checkpoint {ckpt} is corrupt: its optimizer's {problem}; load an "
+                           "earlier checkpoint")
+    return groups
+
+
+def _groups(optimizer, names, saved_groups: list) -> list:
+    """Our param groups, each with the checkpoint's options of the group of the same params."""
+    index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    groups = []
+    for g in optimizer.param_groups:
+        mine = [names[p] for p in g["params"]]
+        match = [s for s in saved_groups if set(s["params"]) == set(mine)]
+        if not match:
+            raise ValueError(
+                f"no parameter group in the checkpoint holds exactly {mine}; its groups hold "
+                f"{[s['params'] for s in saved_groups]}. Build the optimizer with the "
+                "same parameter groups as the one that was saved")
+        if set(match[0]) != set(g):
+            raise ValueError(
+                f"the checkpoint's optimizer has options {sorted(set(match[0]) - set(g))} that "
+                f"this one lacks, and lacks {sorted(set(g) - set(match[0]))}: it was another "
+                "optimizer class. Build the same class as was saved")
+        groups.append({**match[0], "params": [index[p] for p in g["params"]]})
+    return groups
+
+
+def _load_optim(optimizer, names, saved_state: dict, pieces: dict, elementwise, groups) -> None:
+    """torch's positional optimizer state dict for our pieces, loaded in one call."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, p in enumerate(params):
+        kept = {k: v for k, v in saved_state.get(names[p], {}).items()
+                if k not in elementwise.get(names[p], ())}
+        if kept or p in pieces:
+            state[i] = {**kept, **pieces.get(p, {})}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
