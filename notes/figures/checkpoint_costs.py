@@ -5,7 +5,9 @@
 1. GPT's root unit at world size 3: our flat shards against FSDP2's dim-0 chunks.
 2. GPT (dim 64, 4 blocks), stage 3, AdamW after one step: per rank, the bytes sent by
    ``zero.save`` and by ``zero.load`` of a checkpoint saved at world size 2 (our ledger), the
-   bytes written, and the transient and held memory of the conversion.
+   bytes written, the transient and held memory of the conversion, and the peak of what
+   ``zero.load`` allocates into a fresh model and optimizer (torch's MemTracker) against this
+   rank's shards plus one unit.
 """
 
 import os
@@ -60,7 +62,23 @@ def costs(rank, n, root):
     return dict(save=saving.sent_bytes(), load=loading.sent_bytes(), save_s=save_s,
                 load_s=load_s, wrote=sum(os.path.getsize(os.path.join(written, f)) for f in mine),
                 largest_unit=4 * max(u.layout.padded_numel for u in units),
-                held=3 * 4 * sum(u.layout.shard_numel for u in units))
+                held=3 * 4 * sum(u.layout.shard_numel for u in units),
+                peak=_load_peak(root))
+
+
+def _load_peak(root) -> int:
+    """What zero.load allocates on this rank, at its peak, into a fresh model and optimizer
+    (MemTracker; less what they held before)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(1)
+    s, cpu = System("zero3", GPT(CFG), "adamw"), torch.device("cpu")
+    tracker = MemTracker()
+    tracker.track_external(s.model, s.opt)  # (an in-place copy into them is no allocation)
+    with tracker:
+        before = tracker.get_tracker_snapshot()[cpu]["Total"]
+        zero.load(os.path.join(root, "ws2"), s.model, s.opt)
+    return tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before
 
 
 def main():
@@ -69,17 +87,19 @@ def main():
     print(f"GPT(dim 64, 4 blocks): psi = {psi:,} parameters, fp32, AdamW (2 states): "
           f"3 tensors a parameter, 12 psi = {12 * psi:,} bytes in all")
     print(f"{'N':>2} {'save sent':>10} {'12psi(N-1)/N':>12} {'load sent':>10} {'written':>9} "
-          f"{'largest unit':>12} {'held 12psi/N':>12} {'save s':>7} {'load s':>7}")
+          f"{'largest unit':>12} {'held 12psi/N':>12} {'load peak':>10} {'save s':>7} {'load s':>7}")
     with tempfile.TemporaryDirectory() as root:
         for n in (2, 3, 4):
             r = run_ranks(costs, n, root)[0]  # rank 0; every rank sends the same
             print(f"{n:>2} {r['save']:>10,} {12 * psi * (n - 1) // n:>12,} {r['load']:>10,} "
                   f"{r['wrote']:>9,} {r['largest_unit']:>12,} {r['held']:>12,} "
-                  f"{r['save_s']:>7.2f} {r['load_s']:>7.2f}")
+                  f"{r['peak']:>10,} {r['save_s']:>7.2f} {r['load_s']:>7.2f}")
     print("sent: bytes rank 0 sent (ring accounting, our ledger); load reads the N = 2 "
           "checkpoint;\nwritten: rank 0's data file (DCP adds a small header per tensor); "
-          "largest unit: the transient\nall-gather buffer; held: the chunks handed to DCP. "
-          "2 CPU cores, gloo, torch " + torch.__version__)
+          "largest unit: the transient\nall-gather buffer; held: the chunks zero.save hands to "
+          "DCP; load peak: what zero.load allocates\non rank 0 at its peak, into a fresh model "
+          "(MemTracker), against held + largest unit. 2 CPU cores,\ngloo, torch "
+          + torch.__version__)
 
 
 if __name__ == "__main__":
