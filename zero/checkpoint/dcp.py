@@ -42,6 +42,7 @@ from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
 from zero.core import registry
 from zero.core.registry import units_of
+from zero.core.rows import local_tensor
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -161,21 +162,31 @@ def _optim_state(model: nn.Module, optimizer, units) -> dict:
         for key, holders in _elementwise(unit, optimizer).items():
             shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
             for i in holders:
-                unit.piece(shard, i).copy_(optimizer.state[unit.params[i]][key])
+                if (value := optimizer.state.get(unit.params[i], {}).get(key)) is not None:
+                    unit.piece(shard, i).copy_(local_tensor(value).reshape(-1))
             chunks = flat_to_chunks(unit, shard)
-            for i in holders:
-                state[names[unit.params[i]]][key] = to_dtensor(chunks[i], unit.layout.shapes[i], mesh)
+            for i in holders:  # (layout "whole": state on the owner only; every rank saves it)
+                state.setdefault(names[unit.params[i]], {})[key] = to_dtensor(
+                    chunks[i], unit.layout.shapes[i], mesh)
     groups = [{**g, "params": [names[params[i]] for i in g["params"]]} for g in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
 def _elementwise(unit, optimizer) -> dict[str, list[int]]:
-    """Optimizer state keys shaped like the parameter's piece (exp_avg, not step): which params."""
+    """Optimizer state keys shaped like the parameter's piece (exp_avg, not step): which params.
+    Every rank must answer alike (each key is one collective): with layout "whole" only a
+    parameter's owner has its state, so there the ranks' answers are merged."""
     found: dict[str, list[int]] = {}
     for i, p in enumerate(unit.params):
         for key, v in optimizer.state.get(p, {}).items():
             if torch.is_tensor(v) and v.shape == p.shape:
                 found.setdefault(key, []).append(i)
+    if not unit.layout.empty_pieces_get_grads:
+        merged: dict[str, set] = {}
+        for theirs in comm.all_gather_object(found, group=unit.group):
+            for key, holders in theirs.items():
+                merged.setdefault(key, set()).update(holders)
+        found = {key: sorted(holders) for key, holders in merged.items()}
     return dict(sorted(found.items()))  # the same order on every rank
 
 

@@ -73,9 +73,9 @@ def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
     # (S,) per rank -> (N*S,): the whole unit, transient
     comm.all_gather(flat, shard, group=unit.group, unit=unit.name, phase="other")
     chunks = []
-    for shape, offset in zip(layout.shapes, layout.offsets):
+    for shape, whole in zip(layout.shapes, layout.views(layout.from_wire(flat))):  # (any layout)
         ch = chunk_of(shape, unit.world_size, unit.rank)
-        chunks.append(flat[offset + ch.start : offset + ch.stop].clone().view(ch.shape))
+        chunks.append(whole.reshape(-1)[ch.start : ch.stop].clone().view(ch.shape))
     return chunks
 
 

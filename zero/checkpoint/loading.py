@@ -209,8 +209,8 @@ def _load_units(found, meta, units, names, entries, elementwise, with_optim: boo
             shard = _read_unit(found, meta, unit, lambda p: [("optim", "state", names[p], key)]
                                if owns(p) else [], state)
             for i, p in enumerate(unit.params):
-                if owns(p):
-                    state.setdefault(p, {})[key] = unit.piece(shard, i)
+                if owns(p):  # (shown as the parameter is: a DTensor for layout "rows")
+                    state.setdefault(p, {})[key] = unit.exposed_piece(shard, i)
     return state
 
 

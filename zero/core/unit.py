@@ -149,9 +149,7 @@ class Unit:
             self._free()
 
     def _sharded_param(self, i: int, orig: nn.Parameter) -> nn.Parameter:
-        piece = self.layout.exposed(self.local.piece(self.sharded, i), i, self.rank,
-                                    self.placement)
-        p = nn.Parameter(piece, requires_grad=orig.requires_grad)
+        p = nn.Parameter(self.exposed_piece(self.sharded, i), requires_grad=orig.requires_grad)
         registry.mark_piece(p, self, i)
         return p
 
@@ -161,6 +159,11 @@ class Unit:
     def piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's piece of a shard-sized buffer (empty if this rank holds none of it)."""
         return self.local.piece(shard, i)
+
+    def exposed_piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
+        """The same piece shown as parameter i is shown (``layout.exposed``): 1-D (flat), a
+        DTensor (rows), the whole shape on its owner (whole)."""
+        return self.layout.exposed(self.local.piece(shard, i), i, self.rank, self.placement)
 
     @property
     def keeps_full_gradient(self) -> bool:
