@@ -210,3 +210,59 @@ def _hsdp(rank, n, mp):
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
 def test_hsdp_on_a_2d_mesh_is_fsdp2s(mp):
     assert all(run_ranks(_hsdp, 4, mp, timeout=120))
+
+
+def _optimizer_state_dicts(rank, n, layout):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    for unit in model.units():
+        zero.shard(unit, stage=3, layout=layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = model.batch(4, torch.Generator().manual_seed(rank))
+    model.loss(model(x), y).backward()
+    opt.step()
+    out = {}
+    try:
+        saved = opt.state_dict()
+        out["state_dict"] = "returned"
+    except RuntimeError as e:
+        out["state_dict"], saved = str(e), None
+    try:
+        opt.load_state_dict(saved or {"state": {}, "param_groups": opt.param_groups})
+        out["load"] = "loaded"
+    except RuntimeError as e:
+        out["load"] = str(e)
+    return out
+
+
+def test_the_optimizers_state_dict_over_pieces_is_refused_with_the_fix():
+    out = run_ranks(_optimizer_state_dicts, 2, "flat")[0]
+    assert "zero.save(path, model, opt)" in out["state_dict"]
+    assert "zero.load(path, model, opt)" in out["load"]
+    out = run_ranks(_optimizer_state_dicts, 2, "rows")[0]  # FSDP2's layout: DTensors, fine
+    assert out == {"state_dict": "returned", "load": "loaded"}
+
+
+def _ddp_state_into_pieces(rank, n):
+    torch.manual_seed(0)
+    base = GPT(GPTConfig())
+    plain = copy.deepcopy(base)
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x, y = base.batch(4, torch.Generator().manual_seed(rank))
+    base.loss(plain(x), y).backward()
+    popt.step()
+    model = copy.deepcopy(base)
+    for unit in model.units():
+        zero.shard(unit, stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(popt.state_dict())  # before the first step: torch accepts it
+    base.loss(model(x), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "stepped"
+
+
+def test_whole_tensor_state_loaded_into_pieces_is_caught_at_the_first_step():
+    assert "a state dict of whole tensors (DDP's)" in run_ranks(_ddp_state_into_pieces, 2)[0]

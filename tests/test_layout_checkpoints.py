@@ -77,3 +77,43 @@ def _load_only(rank, n, path, stage, layout):
     model, opt = _model(stage, layout)
     zero.load(path, model, opt)
     return zero.full_state_dict(model)
+
+
+class _Fused(torch.nn.Module):
+    """A fused QKV like torchtitan's: its save hook reads the full shape, and may split it."""
+
+    def __init__(self, split: bool):
+        super().__init__()
+        self.wqkv = torch.nn.Linear(8, 24)
+        self.split, self.seen = split, []
+        self.register_state_dict_post_hook(self._on_save)
+
+    def forward(self, x):
+        return self.wqkv(x)
+
+    @staticmethod
+    def _on_save(module, state_dict, prefix, local_metadata):
+        w = state_dict[f"{prefix}wqkv.weight"]
+        module.seen.append(tuple(w.shape[1:]))  # what torchtitan's hooks read
+        if module.split:
+            q, k, v = state_dict.pop(f"{prefix}wqkv.weight").reshape(3, 8, 8)
+            state_dict.update({f"{prefix}wq.weight": q, f"{prefix}wk.weight": k,
+                               f"{prefix}wv.weight": v})
+
+
+def _hooked_save(rank, n, path, split):
+    torch.manual_seed(0)
+    model = _Fused(split)
+    zero.shard(model, stage=3)
+    try:
+        zero.save(path, model)
+    except ValueError as e:
+        return str(e), model.seen
+    return "saved", model.seen
+
+
+def test_state_dict_hooks_see_full_shapes_and_a_transforming_hook_is_refused(tmp_path):
+    said, seen = run_ranks(_hooked_save, 2, str(tmp_path / "a"), False)[0]
+    assert said == "saved" and seen and all(s == (8,) for s in seen)
+    said, _ = run_ranks(_hooked_save, 2, str(tmp_path / "b"), True)[0]
+    assert "a state-dict hook of the model makes 'wq.weight'" in said and "layout='rows'" in said

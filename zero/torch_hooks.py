@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 
+import torch
 import torch.nn as nn
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
@@ -90,8 +91,61 @@ def _before_step(optimizer, args, kwargs) -> None:
     units = units_of_optimizer(optimizer)
     if units:
         _refuse_whole_tensor_optimizers(optimizer, units)
+        _guard_state_dicts(optimizer, units)
     for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
+
+
+# [Note: an optimizer's state dict] torch's optimizer.state_dict() holds each parameter's
+# state by position, and here each parameter is this rank's piece: DCP, given it under the
+# same keys on every rank, takes the pieces for replicated copies and keeps one rank's, and a
+# state dict saved on rank 0 and loaded everywhere (DDP's habit) resumes every rank with rank
+# 0's moments. So from an optimizer's first step over pieces on, its state_dict() and
+# load_state_dict() raise, naming what does it right; with layout "rows" the state is FSDP2's
+# (DTensors), which DCP handles, and they work. State loaded before the first step is checked
+# at that step: every elementwise state (exp_avg...) must have its piece's shape.
+ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+               "Adadelta", "ASGD"}
+
+
+def _guard_state_dicts(optimizer, units) -> None:
+    if getattr(optimizer, "_zero_state_dicts", None) == "guarded":
+        return
+    if all(u.layout.name == "rows" for u in units):
+        optimizer._zero_state_dicts = "guarded"  # FSDP2's layout: DTensors, nothing to guard
+        return
+    if type(optimizer).__name__ in ELEMENTWISE:
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            for key, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dim() and v.shape != p.shape:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__}'s state {key!r} of a parameter has shape "
+                        f"{tuple(v.shape)} but the parameter is this rank's piece, "
+                        f"{tuple(p.shape)}: a state dict of whole tensors (DDP's), or of another "
+                        "rank's pieces, was loaded into it. Resume with zero.load(path, model, "
+                        "opt) from a zero.save checkpoint")
+    optimizer.register_state_dict_pre_hook(_optimizer_state_dict_pre_hook)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
+    optimizer._zero_state_dicts = "guarded"
+
+
+def _optimizer_state_dict_pre_hook(optimizer) -> None:
+    if not _state["state_dict_access"]:
+        raise RuntimeError(
+            "optimizer.state_dict() of an optimizer over zero's pieces holds this rank's 1-D "
+            "pieces of each parameter's state, by position: DCP would keep one rank's as if "
+            "they were replicated, and another rank loading them would resume with this one's. "
+            "Use zero.save(path, model, opt) (or zero.checkpoint.state_dict(model, opt), "
+            "FSDP2's layout, for DCP), or shard with layout='rows', whose state is FSDP2's")
+
+
+def _optimizer_load_state_dict_pre_hook(optimizer, state_dict):
+    if not _state["state_dict_access"]:
+        raise RuntimeError(
+            "optimizer.load_state_dict() into an optimizer over zero's pieces would give each "
+            "rank whatever pieces the dict holds (rank 0's, or whole tensors). Use "
+            "zero.load(path, model, opt) from a zero.save checkpoint")
+    return None
 
 
 def _refuse_whole_tensor_optimizers(optimizer, units) -> None:

@@ -134,9 +134,47 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
 
 def entries_of(model: nn.Module) -> dict:
-    """The model's state-dict entries as they are (our pieces, buffers), under every name."""
-    with torch_hooks.state_dict_access():
-        return model.state_dict(keep_vars=True)
+    """The model's state-dict entries (our pieces, buffers), under every name.
+
+    The model's own state-dict hooks run as they would on the unsharded model: they see each
+    parameter in its full shape (an empty stand-in on the meta device for a 1-D piece; the
+    DTensor itself for layout "rows"), so a hook that reads shapes works. A hook that makes
+    new tensors of them (torchtitan's fused-QKV hook splits ``wqkv`` into ``wq``/``wk``/``wv``)
+    is refused: what is saved and loaded here is each parameter as the model holds it, and a
+    transformed copy would be written, or loaded into, in vain."""
+    units = units_of(model)
+    stand_in = {}  # id(stand-in) -> the piece it stands for
+    for unit in units:
+        shown = []
+        for p, shape in zip(unit.params, unit.layout.shapes):
+            if isinstance(p.data, torch.Tensor) and type(p.data) is torch.Tensor:
+                t = torch.empty(shape, dtype=p.dtype, device="meta")
+                stand_in[id(t)] = p
+                shown.append(t)
+            else:
+                shown.append(p)  # a DTensor of the full shape already
+        unit.use(shown)
+    try:
+        with torch_hooks.state_dict_access():
+            entries = model.state_dict(keep_vars=True)
+    finally:
+        for unit in units:
+            unit.use_sharded_params()
+    known = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    out = {}
+    for key, t in entries.items():
+        if id(t) in stand_in:
+            out[key] = stand_in[id(t)]
+        elif not torch.is_tensor(t) or id(t) in known:
+            out[key] = t
+        else:
+            raise ValueError(
+                f"a state-dict hook of the model makes {key!r} out of its parameters (a fused "
+                "parameter split for saving, say): zero.save and zero.load move each parameter "
+                "as the model holds it, so the hook's tensor would be saved, or loaded, in "
+                "vain. Shard with layout='rows' (zero.fully_shard) and save with torch's DCP "
+                "state-dict functions (or torchtitan's CheckpointManager), which run the hook")
+    return out
 
 
 def _model_state(model: nn.Module, units) -> dict:
@@ -154,7 +192,8 @@ def _model_state(model: nn.Module, units) -> dict:
 def _optim_state(model: nn.Module, optimizer, units) -> dict:
     """FSDP2's optimizer state dict: state and param groups keyed by parameter name."""
     names = first_names(model)
-    saved = optimizer.state_dict()  # keyed by position in the param groups
+    with torch_hooks.state_dict_access():  # (torch_hooks.py's note: refused to users)
+        saved = optimizer.state_dict()  # keyed by position in the param groups
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}
     for unit in units:
