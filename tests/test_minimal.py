@@ -1,4 +1,4 @@
-"""zero/minimal.py, ZeRO in a hundred lines: it must train bit for bit like DDP and like the
+"""zero/minimal.py, the three stages in one file: it must train bit for bit like DDP and like the
 full package, and issue exactly the collectives its stage says, in the order it says.
 
 Run it first: ``pytest tests/test_minimal.py`` (a few seconds, 2 or 3 forked CPU ranks).

@@ -193,6 +193,30 @@ def test_a_figure_output_is_what_its_script_prints_today(name, monkeypatch):
         f"{path} is stale: python notes/figures/{name}.py > notes/figures/{name}.txt")
 
 
+def test_the_animation_is_what_its_script_builds_today():
+    """notes/figures/who_holds_what.html is rebuilt from the committed traces and compared; its
+    frames carry every event's bytes, and the stages differ the way their tables say."""
+    spec = importlib.util.spec_from_file_location("figure_who_holds_what",
+                                                  os.path.join(FIGURES_DIR, "who_holds_what.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path = os.path.join(FIGURES_DIR, "who_holds_what.html")
+    assert script.page() == open(path).read(), (
+        f"{path} is stale: python notes/figures/who_holds_what.py")
+    stages = {s: script.frames(s) for s in (1, 2, 3)}
+    for s, d in stages.items():
+        rows = [line for line in open(os.path.join(FIGURES_DIR, f"trace_stage{s}.txt"))
+                if re.search(r"\d+ +\d+  (all|none|root|blocks)", line)]
+        assert len(d["frames"]) == len(rows) > 20, s
+    most = {s: {k: max(f[k] for f in d["frames"]) for k in ("params", "grads")}
+            for s, d in stages.items()}
+    assert most[1]["grads"] > most[2]["grads"]  # stage 2 never holds every full gradient
+    assert all(len(f["full"]) == 3 for f in stages[2]["frames"])  # stages 1, 2: all, always
+    assert not stages[3]["frames"][-1]["full"]  # stage 3 keeps no full parameters
+    for chapter in ("03-stage1.md", "04-stage2.md", "06-stage3.md", "00-start-here.md"):
+        assert "figures/who_holds_what.html" in open(os.path.join(ROOT, "notes", chapter)).read()
+
+
 def test_a_quoted_trace_is_the_committed_one():
     """A chapter quotes ``python -m zero trace`` whole: the committed output, but for the times
     (tests/test_trace.py holds the committed output to a fresh run)."""
@@ -280,13 +304,31 @@ def test_the_readme_says_how_long_the_code_is():
                  "zero/shard.py"]
     package = glob.glob(os.path.join(ROOT, "zero", "**", "*.py"), recursive=True)
     said = re.search(r"The\s+three stages alone take (\d+) lines.*?the mechanism of the full package"
-                     r".*?about ([\d,]+);.*?the whole\s+package.*?about ([\d,]+)", readme, re.S)
+                     r".*?about\s+([\d,]+);.*?the whole\s+package.*?about\s+([\d,]+)", readme, re.S)
     assert said, "the README's sentence about sizes changed: update this test"
     minimal, mech, whole = (int(g.replace(",", "")) for g in said.groups())
     assert lines(["zero/minimal.py"]) <= minimal
+    parts = re.search(r"minimal\.py\`\]\(zero/minimal\.py\):\s+(\d+) of code,\s+(\d+) of\s+docstrings",
+                      readme)
+    assert parts and tuple(map(int, parts.groups())) == _code_and_docstrings("zero/minimal.py")
     for claim, measured in ((mech, lines(mechanism)), (whole, lines(package))):
         assert abs(claim - measured) <= 0.1 * measured, (
             f"the README says about {claim} lines, the code has {measured}: update the README")
+
+
+def _code_and_docstrings(path: str) -> tuple[int, int]:
+    """Lines of code (neither blank, nor comment, nor docstring) and of docstrings in a file."""
+    text = open(os.path.join(ROOT, path)).read()
+    docs = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    code = [s for i, s in enumerate(text.splitlines(), 1)
+            if i not in docs and s.strip() and not s.strip().startswith("#")]
+    return len(code), len(docs)
 
 
 # ---- python tests/test_notes.py --fix: re-point links after code moved -------------------

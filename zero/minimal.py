@@ -1,9 +1,10 @@
-"""ZeRO in about a hundred lines: read this file first, then walk ``notes/road/``.
+"""ZeRO's three stages in one file: the summary of ``notes/road/``, read after it.
 
-The whole idea, in SimpleFSDP's words: the all-gather that assembles a unit's parameters in
-forward is mirrored by the reduce-scatter that splits its gradient in backward. ``Gather``
-is that sentence as an autograd function; the three stages only decide *when* (paper §5;
-AG all-gather, RS reduce-scatter):
+The whole idea in one sentence, the observation SimpleFSDP (Zhang et al., 2024,
+arXiv:2411.00284) builds FSDP on: the all-gather that assembles a unit's parameters in
+forward and the reduce-scatter that splits its gradient in backward are the two directions of
+one operation. ``Gather`` is that operation as an autograd function; the three stages only
+decide *when* (paper §5; AG all-gather, RS reduce-scatter):
 
 | stage      | sharded         | full tensors alive on a rank                 | per unit, step |
 |------------|-----------------|----------------------------------------------|----------------|
@@ -20,12 +21,14 @@ builds the same model)::
     loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
 
 Limits: one forward and one backward per step; every parameter trained and used; one tensor
-out of each unit. The full package (``zero/core/unit.py``) computes the same bits and does more:
-its full flat parameter is an autograd leaf whose post-accumulate-grad hook marks the
-gradient complete, because that leaf also sums ``no_sync`` micro-batches and holds frozen
-parameters; parameters keep their names; it prefetches, reduces asynchronously, keeps the
-root gathered for backward, casts (mixed precision), makes ranks agree before they could
-hang, and survives activation checkpointing, failed iterations and checkpoints.
+out of each unit. Stage 1 here reduces at the end of backward, as the paper tells it; the
+package reduces each unit as soon as its gradient is complete, in place (notes/03-stage1.md
+says why both are ZeRO-1). The full package (``zero/core/unit.py``) computes the same bits and
+does more: its full flat parameter is an autograd leaf, so that gradient accumulation without
+communication (``no_sync``) and parameters that get no gradient (frozen ones) work; it keeps
+parameters' names, prefetches, reduces asynchronously, keeps the root gathered for backward,
+casts (mixed precision), makes ranks agree before they could hang, and survives activation
+checkpointing, failed iterations and checkpoints. notes/00-start-here.md defines every term.
 """
 
 import torch
