@@ -174,16 +174,32 @@ def table(rows, args) -> str:
     return "\n".join(lines)
 
 
-def check(args) -> list[tuple[str, int, float, float, bool]]:
-    """Both runs, compared; raises LaunchFailed if either could not run."""
+def check(args, forked_reference: bool = False) -> list[tuple[str, int, float, float, bool]]:
+    """Both runs, compared; raises LaunchFailed if either could not run. With
+    ``forked_reference`` the one-machine run is ranks forked from this process
+    (zerolab/launch.py) instead of a second torchrun: the same training, seconds sooner."""
     with tempfile.TemporaryDirectory(prefix="zero-multinode-") as tmp:
         start = time.monotonic()
         several = several_launchers(args, tmp)
         middle = time.monotonic()
-        one = one_launcher(args, tmp)
-        print(f"{args.nodes} launchers: {middle - start:.1f}s, 1 launcher: "
+        one = forked(args) if forked_reference else one_launcher(args, tmp)
+        print(f"{args.nodes} launchers: {middle - start:.1f}s, 1 "
+              f"{'forked run' if forked_reference else 'launcher'}: "
               f"{time.monotonic() - middle:.1f}s", file=sys.stderr)
     return compare_runs(several, one)
+
+
+def forked(args) -> dict:
+    """The same ranks forked on this machine, each training what a torchrun worker trains."""
+    from zerolab.launch import run_ranks
+
+    n = args.nodes * args.nproc_per_node
+    return run_ranks(_forked_rank, n, args, timeout=args.timeout)[0]
+
+
+def _forked_rank(rank: int, n: int, args) -> dict:
+    warnings.filterwarnings("ignore")
+    return train(args, rank, n, local_world_size=args.nproc_per_node)
 
 
 # ---- worker (under torchrun) ---------------------------------------------------------------
@@ -195,16 +211,26 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    import compare_stages
-
     warnings.filterwarnings("ignore")  # trackers' hook warnings, DDP's find_unused note
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout))
     rank, n = dist.get_rank(), dist.get_world_size()
-    mesh = tuple(args.mesh) if args.mesh else (n // int(os.environ["LOCAL_WORLD_SIZE"]),
-                                               int(os.environ["LOCAL_WORLD_SIZE"]))
+    losses = train(args, rank, n, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if rank == 0:
+        write_json(args.out, losses)
+    dist.barrier()
+    dist.destroy_process_group()
+    leave()
+
+
+def train(args, rank: int, n: int, local_world_size: int) -> dict:
+    """Every rank's losses of each system of the stage comparison, then of HSDP on the mesh
+    (nodes x ranks per node, unless --mesh says otherwise)."""
+    import compare_stages
+
+    mesh = tuple(args.mesh) if args.mesh else (n // local_world_size, local_world_size)
     bench = compare_stages.parse_args([
         "--layers", str(args.layers), "--dim", str(args.dim), "--seq", str(args.seq),
         "--batch", str(args.batch), "--systems", ",".join(args.systems), "--device", args.device,
@@ -214,11 +240,7 @@ def worker(args) -> None:
     for kind in HSDP_KINDS:
         name = f"{kind} hsdp {mesh[0]}x{mesh[1]}"
         losses[name] = hsdp_losses(kind, mesh, bench, rank, args.steps)
-    if rank == 0:
-        write_json(args.out, losses)
-    dist.barrier()
-    dist.destroy_process_group()
-    leave()
+    return losses
 
 
 def leave() -> None:

@@ -28,11 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conftest import FULL
+
 import zero
 from zero.core.rows import local_tensor
 from zerolab.systems import average_gradients as average_grads  # DDP by hand
 
-ZERO = ("zero1", "zero2", "zero3", "zero.fully_shard")
+# Our entry points: zero.shard at each stage, and zero.fully_shard (FSDP2's call, stage 3),
+# which the suite samples (tests/test_fully_shard.py tests it directly); ZERO_FULL=1 runs both.
+ZERO = ("zero1", "zero2", "zero3") + (("zero.fully_shard",) if FULL else ())
 ALL = ("ref", "fsdp2", *ZERO)
 
 

@@ -24,7 +24,7 @@ import zero
 import zero.checkpoint
 import zero.checkpoint.directory
 from compare import MODELS, System, first_difference, max_relative_difference
-from harness import RankError, run_ranks
+from harness import RankError, run_main, run_ranks
 from zerolab.models import GPT, GPTConfig
 
 
@@ -445,8 +445,7 @@ def _save_without_model(rank, n, path):
 
 def test_export_of_a_checkpoint_without_a_model_names_what_is_missing(tmp_path):
     run_ranks(_save_without_model, 2, str(tmp_path / "ckpt"))
-    cli = [sys.executable, "-m", "zero", "export", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]
-    done = subprocess.run(cli, capture_output=True, text=True, cwd=os.path.dirname(zero.__path__[0]))
+    done = run_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")])
     assert done.returncode == 1, done.stdout
     assert "holds no 'model' entry (its top-level keys: step; weights)" in done.stderr, done.stderr
     assert not os.path.exists(tmp_path / "out.pt")

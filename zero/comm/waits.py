@@ -41,6 +41,7 @@ _IGNORED = {("gloo", "reduce_scatter")}  # ... but whose wait ignores the timeou
 
 _count: dict = {}  # collectives this rank issued, per group
 _last: collections.deque = collections.deque(maxlen=3)  # the last few, for the message
+_expired: list[str] = []  # the collectives whose wait expired: the group is broken after one
 
 
 class CollectiveTimeout(RuntimeError):
@@ -49,6 +50,13 @@ class CollectiveTimeout(RuntimeError):
 
 def timeout_seconds() -> float:
     return float(os.environ.get("ZERO_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def expired() -> list[str]:
+    """The collectives this process gave up waiting for. After one its process group is out of
+    step with the others' (a collective left pending), so nothing issued on it can be trusted
+    to complete: a launcher uses this to skip a farewell barrier."""
+    return list(_expired)
 
 
 def issued(what: str, group) -> str:
@@ -71,6 +79,7 @@ def wait(work, name: str, group, op: str = "", always: bool = False):
             return _wait_on_a_thread(work, seconds)
         return work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
+        _expired.append(name)
         before = [n for n in _last if n != name]
         raise CollectiveTimeout(
             f"rank {backend.rank(group)} waited {seconds:.0f} s for collective {name} and the "
