@@ -451,6 +451,26 @@ def test_export_of_a_checkpoint_without_a_model_names_what_is_missing(tmp_path):
     assert not os.path.exists(tmp_path / "out.pt")
 
 
+def _titan_layout(rank, n, path):
+    """A checkpoint laid out as torchtitan's CheckpointManager writes one (the model's entries
+    at the top level, the optimizer's flattened under "optimizer"), then zero.load of it."""
+    s = _system("gpt", "zero3", "adamw")
+    plain = {k: v.detach().clone() for k, v in s.full_params().items()}
+    dcp.save({**plain, "optimizer": {f"state.{k}.exp_avg": torch.zeros_like(v) for k, v in plain.items()}},
+             checkpoint_id=path)
+    try:
+        zero.load(path, s.model, s.opt)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_torchtitan_layout_is_refused_naming_the_way_that_loads_it(tmp_path):
+    said = run_ranks(_titan_layout, 2, str(tmp_path / "ckpt"))
+    assert said[0] == said[1] and "torchtitan's CheckpointManager" in said[0], said[0]
+    assert "zero.fully_shard" in said[0] and "blocks.0.fc.weight" in said[0], said[0]
+
+
 def _before_first_step(rank, n, root):
     s = _system("gpt", "zero3", "adamw")
     zero.save(root, s.model, s.opt)  # the optimizer has no state yet: param groups only

@@ -221,6 +221,17 @@ def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dic
     Returns ``{param name: [elementwise optimizer state keys]}`` (state shaped like the param).
     """
     md = meta.state_dict_metadata
+    if not any(k.startswith("model.") for k in md) and any(k in shapes for k in md):
+        # torchtitan's CheckpointManager flattens the model's entries to the top level and the
+        # optimizer's under "optimizer" (flattened again: "state.<name>.<key>"), with keys its
+        # own state-dict converters choose (llama3 saves its fused wqkv as wq, wk and wv).
+        top = _few(sorted(k for k in md if k in shapes))
+        raise ValueError(
+            f"checkpoint {ckpt} holds the model's entries at the top level ({top}), the "
+            "layout torchtitan's CheckpointManager writes, not zero.save's (FSDP2's "
+            "{'model': ..., 'optim': ...}); zero.load does not translate it. Resume it with "
+            "torchtitan's CheckpointManager on the model sharded by zero.fully_shard, which "
+            "loads it as it would into FSDP2")
     if odd := [k for k in md if k.startswith("model.") and meta.planner_data[k] != ("model", k[6:])]:
         raise RuntimeError(f"{ckpt}/.metadata is corrupt: {_few(odd)} are not model entries as "
                            "DCP writes them, ('model', name); load an earlier checkpoint")
