@@ -3,8 +3,9 @@
 An all-reduce is a reduce-scatter followed by an all-gather. ZeRO-1 puts the optimizer step
 between the two: rank r keeps the mean gradient of its slice [r*S, (r+1)*S) of each flat
 parameter only, steps only that slice (so its optimizer state is 1/N of DDP's), and the next
-forward all-gathers the updated slices. The same bytes as DDP's all-reduce (2Ψ), a 1/N of the
-optimizer state. ZeRO paper §5.1 (P_os).
+forward all-gathers the updated slices. The same bytes as DDP's all-reduce (2R), a 1/N of the
+optimizer state. ZeRO paper §5.1 (P_os). The reduce-scatters wait for the end of backward, as
+the paper tells it; the package starts each as soon as its unit's gradient is complete.
 """
 
 import torch

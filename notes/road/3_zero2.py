@@ -2,7 +2,7 @@
 
 ZeRO-1 keeps every unit's full gradient until backward is over, only to keep a slice of each.
 ZeRO-2 reduce-scatters a unit's gradient the moment it is complete and drops it: one full
-gradient at a time instead of all of them (Ψ), plus this rank's slices (Ψ/N). The same
+gradient at a time instead of all of them (4Ψ bytes), plus this rank's slices (4Ψ/N). The same
 collectives, issued earlier, while backward goes on. ZeRO paper §5.2 (P_os+g).
 """
 

@@ -3,7 +3,7 @@
 ZeRO-2 still keeps every unit's full parameters. ZeRO-3 frees a unit's right after its
 forward, gathers them again when backward reaches the unit's output, and frees them once its
 gradient is reduced: a rank holds shards, and the full parameters of the block computing (and
-of the root around it). The price: a second all-gather per unit, 3Ψ instead of 2Ψ. ZeRO
+of the root around it). The price: a second all-gather per unit, 3R sent instead of 2R. ZeRO
 paper §5.3 (P_os+g+p).
 """
 

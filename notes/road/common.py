@@ -54,38 +54,79 @@ def train(rank: int, n: int, shards: dict, watch=None) -> dict:
         ddp_params.append(ddp.full_params())
     reports = {}
     for name, shard in shards.items():
-        model = copy.deepcopy(base)
-        units = shard(model, model.blocks)
-        opt = make_optimizer("adamw", list(model.named_parameters()))  # the same as DDP's
-        ledgers, probes = [], []
-        for k, block in enumerate(model.blocks):  # runs after the unit's own pre-forward hook
-            block.register_forward_pre_hook(partial(_probe, units, k, ledgers, probes))
-        losses, diffs, watched = [], [], []
-        for s in range(STEPS):
-            x, y = base.batch(4, torch.Generator().manual_seed(1000 * s + 10 * rank))
-            probes.clear()
-            with comm.Ledger() as ledger:
-                ledgers.append(ledger)
-                loss = base.loss(model(x), y)
-                loss.backward()
-                if watch is not None:
-                    watched.append(watch(units, ledger))
-                opt.step()
-                opt.zero_grad()
-            losses.append(loss.item())
-            mine = full_parameters(model, units)
-            diffs += [f"step {s}: {k} differs" for k, v in ddp_params[s].items()
-                      if not torch.equal(v, mine.get(k, v + 1))]
-        state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
-        reports[name] = dict(
-            losses=losses, ddp_losses=ddp_losses, diffs=diffs, units=len(units),
-            ledger=[(r.op, r.unit, r.phase, r.sent_bytes) for r in ledger.records
-                    if r.op != "agree"],  # the last step (agreements: check mode only)
-            psi=sum(p.numel() for p in base.parameters()), world_size=n,
-            optimizer_bytes=sum(t.nbytes for t in state),
-            full_bytes=sum(u.full.untyped_storage().nbytes() for u in units),
-            probes=list(probes), watched=watched)  # probes: the last step's, block by block
+        try:
+            reports[name] = _train_one(base, shard, rank, n, ddp_losses, ddp_params, watch)
+        except Exception as e:  # an exercise half done: say what broke (every rank breaks alike)
+            reports[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     return reports
+
+
+def _train_one(base, shard, rank, n, ddp_losses, ddp_params, watch) -> dict:
+    """Train a copy of ``base`` with ``shard`` beside DDP's results; what one step showed."""
+    model = copy.deepcopy(base)
+    units = shard(model, model.blocks)
+    opt = make_optimizer("adamw", list(model.named_parameters()))  # the same as DDP's
+    ledgers, probes, peak = [], [], {}
+    for k, block in enumerate(model.blocks):  # runs after the unit's own pre-forward hook
+        block.register_forward_pre_hook(partial(_probe, units, k, ledgers, probes))
+    losses, diffs, watched = [], [], []
+    for s in range(STEPS):
+        x, y = base.batch(4, torch.Generator().manual_seed(1000 * s + 10 * rank))
+        probes.clear()
+        peak.clear()
+        with comm.Ledger(on_record=partial(_sample, units, peak)) as ledger:
+            ledgers.append(ledger)
+            loss = base.loss(model(x), y)
+            loss.backward()
+            grad_bytes = held(units)[1]
+            if watch is not None:
+                watched.append(watch(units, ledger))
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+        mine = full_parameters(model, units)
+        diffs += [f"step {s}: {k} differs" for k, v in ddp_params[s].items()
+                  if not torch.equal(v, mine.get(k, v + 1))]
+    state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
+    return dict(
+        losses=losses, ddp_losses=ddp_losses, diffs=diffs, units=len(units),
+        ledger=[(r.op, r.unit, r.phase, r.sent_bytes) for r in ledger.records
+                if r.op != "agree"],  # the last step (agreements: check mode only)
+        psi=sum(p.numel() for p in base.parameters()), world_size=n,
+        optimizer_bytes=sum(t.nbytes for t in state),
+        full_bytes=sum(u.full.untyped_storage().nbytes() for u in units),
+        grad_bytes=grad_bytes, peak=dict(peak),  # the last step's
+        probes=list(probes), watched=watched)  # probes: the last step's, block by block
+
+
+def held(units, reading: int = 0) -> tuple[int, int]:
+    """Bytes of parameters and of gradients this rank holds now, each storage counted once.
+
+    ``reading``: the bytes of a full gradient that no unit keeps but autograd still holds
+    (the input of a reduce-scatter about to start)."""
+    seen = set()
+
+    def size(t) -> int:
+        if t is None or t.untyped_storage().nbytes() == 0 or t.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(t.untyped_storage().data_ptr())
+        return t.untyped_storage().nbytes()
+
+    params = sum(size(u.full) + size(u.shard) for u in units)
+    grads = sum(size(getattr(u, "full_grad", None)) + size(u.shard.grad) for u in units)
+    return params, grads + reading
+
+
+def _sample(units, peak, record) -> None:
+    """As each backward collective is recorded (before it runs): the largest bytes held yet."""
+    if record.phase != "backward":
+        return
+    unit = next((u for u in units if u.name == record.unit), None)
+    kept = unit is not None and getattr(unit, "full_grad", None) is not None
+    reading = record.buffer_bytes if record.op == "reduce_scatter" and not kept else 0
+    params, grads = held(units, reading)
+    peak["params"] = max(peak.get("params", 0), params)
+    peak["grads"] = max(peak.get("grads", 0), grads)
 
 
 def _probe(units, k, ledgers, probes, module, args) -> None:
@@ -104,7 +145,8 @@ def report(title: str, r: dict) -> str:
     """What a step prints: losses beside DDP's, the check, one step's collectives and memory."""
     psi, n = r["psi"], r["world_size"]
     lines = [f"{title}: GPT with {BLOCKS} blocks, Ψ = {psi} parameters, {n} ranks (gloo)",
-             "step  loss on rank 0       torch DDP's"]
+             "step  loss on rank 0       torch DDP's   (torch's default init: only the equality "
+             "matters)"]
     for s, (a, b) in enumerate(zip(r["losses"], r["ddp_losses"])):
         lines.append(f"{s:4}  {a!r:19}  {b!r}")
     same = not r["diffs"] and r["losses"] == r["ddp_losses"]
@@ -115,15 +157,18 @@ def report(title: str, r: dict) -> str:
     for phase in ("forward", "backward"):
         done = [f"{SHORT[op]} {unit}" for op, unit, ph, _ in r["ledger"] if ph == phase]
         lines.append(f"  {phase:9} " + (", ".join(done) or "-"))
-    unit_psi = 4 * psi * (n - 1) / n  # the paper's Ψ: each rank sends (N-1)/N of a buffer
+    ring = 4 * psi * (n - 1) / n  # R: what one all-gather of every parameter sends per rank
     sent = Counter()
     for op, _, _, nbytes in r["ledger"]:
-        sent[SHORT[op]] += nbytes / unit_psi
-    lines.append("  sent      " + ", ".join(f"{op} {v:.3f}Ψ" for op, v in sent.items())
-                 + f"; total {sum(sent.values()):.3f}Ψ (Ψ: parameters × 4 bytes × (N-1)/N)")
-    lines.append("memory, per rank:")
-    lines.append(f"  after the step: optimizer state {r['optimizer_bytes'] / psi:.2f} bytes per "
-                 f"parameter, full parameters kept {r['full_bytes'] / psi:.2f}")
+        sent[SHORT[op]] += nbytes / ring
+    lines.append("  sent      " + ", ".join(f"{op} {v:.3f}R" for op, v in sent.items())
+                 + f"; total {sum(sent.values()):.3f}R (R = 4 bytes × Ψ × (N-1)/N = {ring:.0f} B)")
+    per = lambda nbytes: f"{nbytes / psi:.2f}"  # noqa: E731
+    lines.append("memory, per rank, in bytes per parameter (one full fp32 copy of the model is 4):")
+    lines.append(f"  during backward, at most: parameters {per(r['peak']['params'])}, gradients "
+                 f"{per(r['peak']['grads'])}")
+    lines.append(f"  after backward: gradients {per(r['grad_bytes'])}; after the step: optimizer "
+                 f"state {per(r['optimizer_bytes'])}, full parameters kept {per(r['full_bytes'])}")
     held, ahead = (max(p[i] for p in r["probes"]) for i in (0, 1))
     lines.append(f"  as a block starts its forward: at most {held} of {r['units']} units hold full "
                  f"parameters, {ahead} later block(s) already being gathered")
@@ -134,5 +179,7 @@ def main(shard, path: str) -> None:
     """Run one step of the road on 2 local ranks and print its report; exit 1 if it is not DDP."""
     name = os.path.basename(path)
     r = run_ranks(train, 2, {name: shard})[0][name]
+    if "error" in r:
+        sys.exit(f"{name}: training raised {r['error']}")
     print(report(name, r))
     sys.exit(0 if not r["diffs"] and r["losses"] == r["ddp_losses"] else 1)
