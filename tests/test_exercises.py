@@ -1,5 +1,6 @@
-"""notes/exercises/: every check must pass on its solution and fail on the untouched starting
-file (else it checks nothing), and every starting file must be its road step plus a TODO.
+"""notes/exercises/: every check must pass on its solution, fail on the untouched starting
+file (else it checks nothing) and say what is wrong with the wrong attempts a learner makes;
+every starting file must be its road step plus a TODO that does not give the answer away.
 """
 
 import ast
@@ -19,42 +20,129 @@ EXERCISES = {int(os.path.basename(p)[0]): p
 
 # What the check says about each untouched starting file: the property it looks for.
 FAILS_WITH = {
-    1: "gradient shard lives in a storage of",
-    2: "'all_gather root backward'",
-    3: "two ahead means 2",
+    1: "has a storage of its own",
+    2: "were freed when its forward ended and gathered again",
+    3: "two ahead means 2 there",
     4: "nothing overlapped with it",
+    5: "5 of the 5 units hold full parameters",
 }
 
-ROAD_STEP = {1: "2_zero1", 2: "4_zero3", 3: "5_prefetch", 4: "5_prefetch"}
+ROAD_STEP = {1: "2_zero1", 2: "4_zero3", 3: "5_prefetch", 4: "5_prefetch", 5: "3_zero2"}
+SOLVED_BY_ROAD = {5: "4_zero3"}  # a solution that is a road step
+
+# Wrong attempts a learner makes, as edits of the solution: (old, new, what the check must say).
+WRONG = {
+    1: [("full_grad[r * s : (r + 1) * s]", "full_grad[:s]",
+         "rank 1: blocks.0's gradient shard lives in the full gradient, but at element 0"),
+        ("full_grad[r * s : (r + 1) * s]", "full_grad[r * s : (r + 1) * s].clone()",
+         "has a storage of its own")],
+    2: [("        if self is self.units[-1]:\n            return  # the root: its backward comes "
+         "first, and Gather.backward frees it after\n        self.free()\n",
+         "        if self is not self.units[-1]:  # keep the root\n            self.free()\n",
+         "the root kept its full parameters after its forward, yet its backward gathered"),
+        ("        if self is self.units[-1]:\n", "        if True:  # keep every unit\n",
+         "backward gathered nothing: every block must still be freed")],
+    3: [("        if nxt is not None and nxt.pending is None:", "        if nxt is not None:",
+         "forward gathered a unit twice"),
+        ("            after.gather(phase)  # the second prefetch: two units ahead\n",
+         "            after.gather(phase)  # the second prefetch: two units ahead\n"
+         "        third = after.next.get(phase) if after is not None else None\n"
+         "        if third is not None and third.pending is None:\n"
+         "            third.gather(phase)\n",
+         "as blocks.0 starts its forward, 3 later block(s) are being gathered"),
+        ("            after.gather(phase)  # the second prefetch: two units ahead\n",
+         "            after.gather(phase)  # the second prefetch: two units ahead\n"
+         "            third = after.next.get(phase)  # (only when `after` was not yet on its way)\n"
+         "            if third is not None and third.pending is None:\n"
+         "                third.gather(phase)\n",
+         "as the root starts its forward, 3 block(s) are being gathered")],
+    4: [("        for unit in ctx.unit.units:\n            unit.wait_reduce()",
+         "        if False:\n            pass",
+         "a reduce-scatter was never waited for before backward ended"),
+        ("        for unit in ctx.unit.units:\n"
+         "            unit.wait_reduce()  # at most one in flight: finish the previous one first\n"
+         "        ctx.unit.reduce(full_grad)\n"
+         "        if ctx.unit is ctx.unit.units[-1]:\n"
+         "            ctx.unit.wait_reduce()",
+         "        ctx.unit.reduce(full_grad)\n"
+         "        if ctx.unit is ctx.unit.units[-1]:  # wait for all, at the end\n"
+         "            for unit in ctx.unit.units:\n"
+         "                unit.wait_reduce()",
+         "5 reduce-scatters were in flight at once; keep at most one"),
+        ("        ctx.unit.reduce(full_grad)\n",
+         "        ctx.unit.reduce(full_grad)\n        ctx.unit.wait_reduce()\n",
+         "nothing overlapped with it")],
+    5: [("comm.all_gather(self.full.data,", "comm.all_gather(self.full,",
+         "autograd saw the refill of a tensor whose views it uses"),
+        ("        ctx.unit.free()  # backward is done with the unit's parameters\n", "",
+         "bytes of full parameters are left after the step: free each unit again"),
+        ("        else:  # refill the storage that free() emptied\n",
+         "        if True:  # a new tensor\n"
+         "            self.full = self.shard.new_empty(self.layout.padded_numel)\n"
+         "        else:\n",
+         "something read a tensor whose storage was freed (0 bytes) before it was filled again")],
+}
+
+
+NUMBERS = [1, 2, 3, 4, 5]
+
+
+def solution(number: int) -> str:
+    return os.path.join(HERE, "solutions", os.path.basename(EXERCISES[number]))
 
 
 @pytest.fixture(scope="module")
-def verdicts():
-    paths = {}
+def verdicts(tmp_path_factory):
+    paths, tmp = {}, tmp_path_factory.mktemp("wrong")
     for number, start in EXERCISES.items():
-        solution = os.path.join(HERE, "solutions", os.path.basename(start))
         paths[f"{number} start"] = (number, start)
-        paths[f"{number} solution"] = (number, solution)
-    return check.verdicts(paths)  # one group of ranks for all of them
+        paths[f"{number} solution"] = (number, solution(number))
+        text = open(solution(number)).read()
+        for k, (old, new, _) in enumerate(WRONG[number]):
+            assert text.count(old) == 1, (number, old)
+            attempt = tmp / f"{number}_wrong_{k}.py"
+            attempt.write_text(text.replace(old, new))
+            paths[f"{number} wrong {k}"] = (number, str(attempt))
+    with pytest.MonkeyPatch.context() as env:  # as a learner runs the check: without check
+        env.setenv("ZERO_CHECK", "0")  # mode, whose agreements would double the collectives
+        return check.verdicts(paths)  # one group of ranks for all of them
 
 
-def test_there_are_four_exercises_each_with_a_solution():
-    assert sorted(EXERCISES) == sorted(check.CHECKS) == sorted(FAILS_WITH) == [1, 2, 3, 4]
-    for start in EXERCISES.values():
-        assert os.path.exists(os.path.join(HERE, "solutions", os.path.basename(start)))
+def test_there_are_five_exercises_each_with_a_solution():
+    assert sorted(EXERCISES) == sorted(check.CHECKS) == sorted(FAILS_WITH) == NUMBERS
+    for number in EXERCISES:
+        assert os.path.exists(solution(number))
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4])
+@pytest.mark.parametrize("number", NUMBERS)
 def test_the_check_passes_on_the_solution(verdicts, number):
     assert verdicts[f"{number} solution"] == []
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4])
+@pytest.mark.parametrize("number", NUMBERS)
 def test_the_check_fails_on_the_starting_file(verdicts, number):
     wrong = verdicts[f"{number} start"]
     assert wrong, "the check passes before the exercise is done: it checks nothing"
     assert any(FAILS_WITH[number] in w for w in wrong), wrong
     assert not any("same bits" in w for w in wrong), "a starting file trains like DDP"
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_the_check_says_what_a_wrong_attempt_got_wrong(verdicts, number):
+    for k, (_, _, said) in enumerate(WRONG[number]):
+        wrong = verdicts[f"{number} wrong {k}"]
+        assert any(said in w for w in wrong), (k, wrong)
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_no_todo_or_message_gives_the_answer_away(number):
+    """The solution's new lines appear in neither the starting file nor the check's messages."""
+    bare = lambda lines: {s.split("  #")[0].strip() for s in lines}  # noqa: E731
+    start, solved = bare(code(EXERCISES[number])), bare(code(solution(number)))
+    new = [s for s in solved - start if len(s) > 12]
+    assert new, number
+    told = open(EXERCISES[number]).read() + open(os.path.join(HERE, "check.py")).read()
+    assert not [s for s in new if s in told], number
 
 
 def code(path: str) -> list[str]:
@@ -71,8 +159,35 @@ def code(path: str) -> list[str]:
     return [s for s in out if s.strip()]
 
 
-@pytest.mark.parametrize("number", [1, 2, 3, 4])
+@pytest.mark.parametrize("number", NUMBERS)
 def test_a_starting_file_is_its_road_step_with_a_todo(number):
     road = os.path.join(HERE, "..", "road", f"{ROAD_STEP[number]}.py")
     assert code(EXERCISES[number]) == code(road)
     assert re.search(rf"# TODO \(exercise {number}\)", open(EXERCISES[number]).read())
+    if number in SOLVED_BY_ROAD:
+        road = os.path.join(HERE, "..", "road", f"{SOLVED_BY_ROAD[number]}.py")
+        assert code(solution(number)) == code(road)
+
+
+def test_the_predictions_are_the_traces_answers():
+    """notes/exercises/solutions/predict.md answers from the committed traces (which
+    tests/test_trace.py holds to a fresh run): each number there is read here from them."""
+    figures = os.path.join(HERE, "..", "figures")
+    trace = {k: open(os.path.join(figures, f"trace_stage{k}.txt")).read() for k in (1, 2, 3)}
+    answers = " ".join(open(os.path.join(HERE, "solutions", "predict.md")).read().split())
+
+    def held(stage, unit, event, column):  # bytes after the first matching event
+        row = re.search(rf"^ *[\d.]+  {re.escape(unit)} +{re.escape(event)}.*?(\d+) +(\d+)  \S",
+                        trace[stage], re.M)
+        return int(row.group(column))
+
+    gathers, reduces = (int(re.search(rf"{op} (\d+)x", trace[3]).group(1))
+                        for op in ("all-gather", "reduce-scatter"))
+    assert f"ZeRO-3 issues {gathers} all-gathers and {reduces} reduce-scatters" in answers
+    sent = re.search(r"= ([\d.]+) Ψ", trace[3]).group(1)
+    assert f"ZeRO-3 sends {sent}R" in answers
+    assert all("= 2.000 Ψ" in trace[k] for k in (1, 2)) and "ZeRO-2 send 2.000R" in answers
+    assert f"holds {held(3, 'root', 'post_backward', 2)} gradient bytes" in answers
+    done = {k: held(k, "", "autograd is done", 2) for k in (1, 2)}
+    assert f"ZeRO-1 holds {done[1]} gradient bytes, ZeRO-2 {done[2]}" in answers
+    assert f"holds {held(3, 'blocks.0', 'pre_forward', 1)} parameter bytes" in answers

@@ -2,8 +2,8 @@
 
 A copy of road step 2 (ZeRO-1). Stage 1 keeps every unit's full gradient until backward is
 over, and then reduce-scatters each into a new (S,) buffer: at that moment a rank holds the
-full gradients (Ψ) and the shards (Ψ/N) at once. Make ``reduce`` write this rank's slice of
-the mean into its own slot of the full gradient, and give the shard that slot as its gradient.
+full gradients (4Ψ bytes) and the shards (4Ψ/N) at once. Make the reduced slice cost no
+memory of its own, and keep the bits.
 """
 
 import torch
@@ -64,8 +64,8 @@ class Unit:
         comm.all_gather(self.full, self.shard.detach(), unit=self.name, phase=phase)
 
     def reduce(self, full_grad):
-        # TODO (exercise 1): no new buffer. The output is this rank's slot of full_grad,
-        # full_grad[r*S : (r+1)*S]: the reduce-scatter reads full_grad and writes its slot.
+        # TODO (exercise 1): this allocates S more elements per unit for the reduced slice.
+        # Which S elements does this rank already hold that nobody reads after the reduction?
         self.shard.grad = torch.empty_like(self.shard)
         # (N*S,) on every rank -> (S,): this rank's slice of the mean over ranks
         comm.reduce_scatter(self.shard.grad, full_grad, op="avg", unit=self.name, phase="backward")

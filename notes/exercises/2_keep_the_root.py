@@ -57,7 +57,8 @@ class Unit:
             setattr(mod, attr, views[i])  # the module computes with views of the full buffer
 
     def post_forward(self, module, args, output):
-        # TODO (exercise 2): not for the root (the last of self.units): keep its parameters.
+        # TODO (exercise 2): every unit, the root too, is freed here and gathered again when
+        # its backward begins. Which unit's backward begins first, right after its forward?
         self.free()
         output.register_hook(lambda grad: self.gather("backward"))  # before the unit's backward
 

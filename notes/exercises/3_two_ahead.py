@@ -3,8 +3,9 @@
 A copy of road step 5 (ZeRO-3 with prefetching). While a unit computes its forward, only the
 next unit's all-gather is in flight. With slow links one gather may not hide behind one
 unit's compute: make the forward start the gathers of the next *two* units (each unit still
-gathered once, in the same order on every rank), so that three units hold full parameters
-while a block computes. Backward may stay one ahead.
+gathered once, in the same order on every rank), so that as a block starts, four of the five
+units hold full parameters: the root, the block, and the two arriving. Backward may stay one
+ahead.
 """
 
 import torch
@@ -67,7 +68,7 @@ class Unit:
         nxt = self.next.get(phase)
         if nxt is not None and nxt.pending is None:
             nxt.gather(phase)  # a prefetch: it runs while this unit computes
-        # TODO (exercise 3): in forward, also the unit after nxt (nxt.next), unless started.
+        # TODO (exercise 3): one unit ahead, in both phases. Make it two in forward.
         self.pending.wait()
         self.pending = None
 

@@ -87,9 +87,8 @@ class Unit:
         self.full.untyped_storage().resize_(0)
 
     def reduce(self, full_grad):
-        # TODO (exercise 4): start it with async_op=True and keep the handle (and full_grad,
-        # which it reads until done); Gather.backward then waits for the previous unit's before
-        # calling reduce, and for the root's (the last to come) right after.
+        # TODO (exercise 4): backward waits here until the reduction is over. Let it go on,
+        # with at most one reduction running, and none left running when backward ends.
         self.shard.grad = torch.empty_like(self.shard)
         # (N*S,) on every rank -> (S,): this rank's slice of the mean over ranks
         comm.reduce_scatter(self.shard.grad, full_grad, op="avg", unit=self.name, phase="backward")

@@ -10,6 +10,7 @@ import glob
 import importlib.util
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -30,18 +31,44 @@ def load(path: str):
 
 def watch(units, ledger) -> dict:
     """After each backward: where each gradient shard lives, and the ledger with its times."""
-    r = dist.get_rank()
+    r, seen = dist.get_rank(), SEEN[id(units)]
     return dict(
         slots=[(u.name, u.shard.grad.untyped_storage().nbytes(), u.shard.grad.storage_offset(),
                 u.layout.padded_numel * u.shard.element_size(), r * u.layout.shard_numel)
                for u in units],
         records=[(x.op, x.unit, x.phase, x.time, x.done) for x in ledger.records
-                 if x.op != "agree"])  # (agreements: check mode only)
+                 if x.op != "agree"],  # (agreements: check mode only)
+        root_ahead=len({x.unit for x in ledger.records if (x.op, x.phase) == ("all_gather",
+                        "forward") and x.unit != units[-1].name and x.time < seen["began"]}),
+        full_after_forward=seen["full_after_forward"])
 
 
 def observe(rank: int, n: int, paths: dict) -> dict:
     """Train each file's ``shard`` beside DDP, watching every backward ({name: report})."""
-    return common.train(rank, n, {name: load(p).shard for name, p in paths.items()}, watch)
+    return common.train(rank, n, {name: watched(load(p).shard) for name, p in paths.items()},
+                        watch)
+
+
+SEEN: dict[int, dict] = {}  # id(units): what the model's own hooks saw in the last forward
+
+
+def holds_full(unit) -> bool:
+    """Whether the unit holds its full parameters now (a storage with bytes in it)."""
+    return unit.full is not None and unit.full.untyped_storage().nbytes() > 0
+
+
+def watched(shard):
+    """``shard``, and two hooks on the model, each run after the units' own: when the root's
+    forward began (after its gathers and prefetches), and which units still hold their full
+    parameters when the model's forward is over (exercise 2 keeps the root's, 5 frees the rest)."""
+    def wrapped(model, blocks):
+        units = shard(model, blocks)
+        seen = SEEN.setdefault(id(units), {})
+        model.register_forward_pre_hook(lambda *_: seen.update(began=time.perf_counter()))
+        model.register_forward_hook(lambda *_: seen.update(
+            full_after_forward=[u.name for u in units if holds_full(u)]))
+        return units
+    return wrapped
 
 
 # ---- what each exercise asks; each returns what is still wrong (nothing: done) ----------
@@ -49,23 +76,31 @@ def observe(rank: int, n: int, paths: dict) -> dict:
 def in_place(r: dict) -> list[str]:
     for step in r["watched"]:
         for unit, nbytes, offset, full_bytes, slot in step["slots"]:
-            if nbytes != full_bytes or offset != slot:
-                return [f"{unit}'s gradient shard lives in a storage of {nbytes} bytes at offset "
-                        f"{offset}; it should be its slot of the full gradient: {full_bytes} "
-                        f"bytes, offset {slot} (shard.grad = full_grad[r*S:(r+1)*S])"]
+            if nbytes != full_bytes:
+                return [f"{unit}'s gradient shard has a storage of its own ({nbytes} bytes): "
+                        f"the reduced slice costs memory again; the unit's full gradient, which "
+                        f"this rank already holds, is a storage of {full_bytes} bytes"]
+            if offset != slot:
+                return [f"{unit}'s gradient shard lives in the full gradient, but at element "
+                        f"{offset}; this rank's slot of it starts at element {slot} (r·S), "
+                        f"where the optimizer's shard of the parameters lies"]
     return []
 
 
 def root_kept(r: dict) -> list[str]:
     gathered = [unit for op, unit, phase, _ in r["ledger"] if (op, phase) == ("all_gather",
                                                                               "backward")]
+    kept = "root" in r["watched"][-1]["full_after_forward"]
     blocks = [f"blocks.{k}" for k in range(common.BLOCKS)]
+    if "root" in gathered and kept:
+        return ["the root kept its full parameters after its forward, yet its backward "
+                "gathered them again (an all-gather of 'root' in backward): one for nothing"]
     if "root" in gathered:
-        return ["the ledger shows 'all_gather root backward': the root was freed after its forward "
-                "and gathered again for its backward; keep it instead"]
+        return ["the root's full parameters were freed when its forward ended and gathered again "
+                "(an all-gather of 'root' in backward) as its backward began, straight after"]
     if sorted(gathered) != blocks:
-        return [f"backward gathered {gathered}: every block must still be freed after its forward "
-                f"and gathered again ({blocks})"]
+        return [f"backward gathered {gathered or 'nothing'}: every block must still be freed "
+                f"after its forward and gathered again ({', '.join(blocks)})"]
     if r["full_bytes"]:
         return [f"{r['full_bytes']} bytes of full parameters are left after the step: the root "
                 "must still be freed once its backward is done"]
@@ -73,16 +108,22 @@ def root_kept(r: dict) -> list[str]:
 
 
 def two_ahead(r: dict) -> list[str]:
+    wrong = []
+    ahead, want = r["watched"][-1]["root_ahead"], min(2, common.BLOCKS)
+    if ahead != want:  # the root starts first: blocks.0 and blocks.1 must be on their way
+        wrong.append(f"as the root starts its forward, {ahead} block(s) are being gathered; two "
+                     f"ahead means {want} there")
     for k, (_, ahead) in enumerate(r["probes"]):
         want = min(2, common.BLOCKS - 1 - k)
         if ahead != want:
-            return [f"as blocks.{k} starts its forward, {ahead} later block(s) are being gathered; "
-                    f"two ahead means {want}"]
+            wrong.append(f"as blocks.{k} starts its forward, {ahead} later block(s) are being "
+                         f"gathered; two ahead means {want} there")
+            break
     gathers = [unit for op, unit, phase, _ in r["ledger"] if (op, phase) == ("all_gather",
                                                                              "forward")]
     if sorted(gathers) != sorted(set(gathers)):
-        return [f"forward gathered a unit twice: {gathers}"]
-    return []
+        wrong.append(f"forward gathered a unit twice: {gathers}")
+    return wrong
 
 
 def reduce_in_flight(r: dict) -> list[str]:
@@ -100,7 +141,37 @@ def reduce_in_flight(r: dict) -> list[str]:
     return []
 
 
-CHECKS = {1: in_place, 2: root_kept, 3: two_ahead, 4: reduce_in_flight}
+def stage3(r: dict) -> list[str]:
+    held = max(p[0] for p in r["probes"])
+    many = (f"as a block starts its forward, {held} of the {r['units']} units hold full "
+            f"parameters; ZeRO-3 holds only the root's and that block's")
+    kept = [u for u in r["watched"][-1]["full_after_forward"] if u != "root"]
+    if held > 2 and kept:
+        return [f"{many} ({', '.join(kept)} still hold theirs when the model's forward is over)"]
+    gathered = {unit for op, unit, phase, _ in r["ledger"] if (op, phase) == ("all_gather",
+                                                                             "backward")}
+    missing = [f"blocks.{k}" for k in range(common.BLOCKS) if f"blocks.{k}" not in gathered]
+    if missing:
+        return [f"backward gathered no full parameters for {', '.join(missing)}: its backward "
+                f"cannot have read the values its forward used"]
+    if r["full_bytes"]:
+        return [f"{r['full_bytes']} bytes of full parameters are left after the step: free each "
+                f"unit again once backward is done with it"]
+    if held > 2:
+        return [many]
+    return []
+
+
+CHECKS = {1: in_place, 2: root_kept, 3: two_ahead, 4: reduce_in_flight, 5: stage3}
+
+HINTS = {  # what an error means, in the terms of the exercise
+    "modified inplace": "autograd saw the refill of a tensor whose views it uses: write where "
+                        "it does not look",
+    "modified by an inplace operation": "autograd saw the refill of a tensor it had saved: "
+                                        "write where it does not look",
+    "storage": "something read a tensor whose storage was freed (0 bytes) before it was filled "
+               "again",
+}
 
 
 def verdicts(paths: dict[str, tuple[int, str]]) -> dict[str, list[str]]:
@@ -111,6 +182,10 @@ def verdicts(paths: dict[str, tuple[int, str]]) -> dict[str, list[str]]:
         wrong = []  # per rank
         for per_rank in reports:
             r = per_rank[name]
+            if "error" in r:
+                hint = next((h for k, h in HINTS.items() if k in r["error"]), "")
+                wrong.append([f"training raised {r['error']}" + (f" ({hint})" if hint else "")])
+                continue
             same = not r["diffs"] and r["losses"] == r["ddp_losses"]
             bits = [] if same else [f"not the same bits as DDP's: {(r['diffs'] or ['losses'])[0]}"]
             wrong.append(bits + CHECKS[number](r))

@@ -2,8 +2,9 @@
 
 A copy of road step 2 (ZeRO-1). Stage 1 keeps every unit's full gradient until backward is
 over, and then reduce-scatters each into a new (S,) buffer: at that moment a rank holds the
-full gradients (Ψ) and the shards (Ψ/N) at once. Make ``reduce`` write this rank's slice of
-the mean into its own slot of the full gradient, and give the shard that slot as its gradient.
+full gradients (4Ψ bytes) and the shards (4Ψ/N) at once. Make ``reduce`` write this rank's
+slice of the mean into its own slot of the full gradient, and give the shard that slot as its
+gradient.
 """
 
 import torch
