@@ -22,13 +22,11 @@ builds the same model)::
 
 Limits: one forward and one backward per step; every parameter trained and used; one tensor
 out of each unit. Stage 1 here reduces at the end of backward, as the paper tells it; the
-package reduces each unit as soon as its gradient is complete, in place (notes/03-stage1.md
-says why both are ZeRO-1). The full package (``zero/core/unit.py``) computes the same bits and
-does more: its full flat parameter is an autograd leaf, so that gradient accumulation without
-communication (``no_sync``) and parameters that get no gradient (frozen ones) work; it keeps
-parameters' names, prefetches, reduces asynchronously, keeps the root gathered for backward,
-casts (mixed precision), makes ranks agree before they could hang, and survives activation
-checkpointing, failed iterations and checkpoints. notes/00-start-here.md defines every term.
+package reduces each unit as soon as its gradient is complete (notes/03-stage1.md says why
+both are ZeRO-1). The package (``zero/core/unit.py``) computes the same bits and does more: its
+flat parameter is an autograd leaf (so ``no_sync`` and frozen parameters work); it keeps names,
+prefetches, reduces asynchronously, casts, makes ranks agree before they could hang, and
+survives activation checkpointing. notes/00-start-here.md defines every term.
 """
 
 import torch
