@@ -4,10 +4,11 @@ New to ZeRO? Read ``minimal`` first: the whole idea in one file. Then the packag
 one layer a folder; no file imports one above it:
 
 - ``comm/`` the collectives: ``backend`` (the one place torch.distributed is called),
-  ``ledger`` (every collective recorded), ``agree`` (ranks that diverge raise),
-  ``collectives``, and ``flat_collectives`` (how a unit's flat buffers cross the ranks);
+  ``ledger`` (every collective recorded), ``waits`` (every wait bounded), ``agree`` (ranks
+  that diverge raise), ``collectives``, ``objects``, ``flat_collectives`` (how a unit's flat
+  buffers cross the ranks) and ``quantized`` (ZeRO++'s int8 weight gathers);
 - ``core/`` the mechanism: ``state`` (a unit's two states), ``flat`` (the flat parameter),
-  ``stage`` (the policy table and every rule derived from it), ``tree``, ``grads`` (a unit's
+  ``rows`` and ``whole`` (the other two layouts: FSDP2's, and whole parameters), ``stage`` (the policy table and every rule derived from it), ``tree``, ``grads`` (a unit's
   gradient), ``unit`` (its parameters: unshard / reshard), ``registry`` (who owns what),
   ``schedule`` (prefetch and the order of reductions), ``checks`` and ``saved_tensors``
   (what stands between a user and a silent wrong result), ``root`` (what the root does for
