@@ -24,6 +24,7 @@ import zero
 import zero.checkpoint
 import zero.checkpoint.directory
 from compare import MODELS, System, first_difference, max_relative_difference
+from conftest import FULL
 from harness import RankError, run_main, run_ranks
 from zerolab.models import GPT, GPTConfig
 
@@ -204,7 +205,7 @@ def _reshard_load(rank, n, root, models, saved_at, kind, saved):
 
 
 def test_reshard_between_world_sizes_2_and_3_within_reduction_order_bound(tmp_path):
-    root, models = str(tmp_path), ["gpt", "mlp"]
+    root, models = str(tmp_path), ["gpt", "mlp"] if FULL else ["gpt"]  # (ZERO_FULL=1: both)
     two = run_ranks(_reshard_save, 2, root, models)
     three = run_ranks(_reshard_save, 3, root, models)
     up = run_ranks(_reshard_load, 3, root, models, 2, "zero1", two)[0]  # also stage 3 -> 1
@@ -298,7 +299,7 @@ def _on_disk(path):
 
 
 def test_fsdp2_interop_both_ways_is_bitwise(tmp_path):
-    root, models = str(tmp_path), ["gpt", "mlp"]
+    root, models = str(tmp_path), ["gpt", "mlp"] if FULL else ["gpt"]  # (ZERO_FULL=1: both)
     first = run_ranks(_interop_first, 2, root, models)
     for model in models:
         assert first[0][model][0] == [] and first[1][model][0] == []  # same dicts, bitwise
@@ -341,16 +342,22 @@ def _load_full(rank, n, root, with_optimizer=True):
 def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
     root = str(tmp_path)
     before = run_ranks(_save_one, 2, root, 1)  # v000001
-    # Rank 1 dies half-way through its data (v000002); then rank 0 dies after every byte and
-    # .metadata are written, just before the flip (v000003). Neither becomes "latest".
-    for where, version in [("data", "v000002"), ("commit", "v000003")]:
+    # Rank 1 dies half-way through its data; then rank 0 dies after every byte and .metadata
+    # are written, just before the flip. Neither becomes "latest". (Whether rank 0 deleted the
+    # first wreck before the harness killed it is a race, so the versions are not numbered.)
+    def complete_wrecks():
+        return [d for d in os.listdir(tmp_path) if d.startswith("v") and d != "v000001"
+                and os.path.exists(tmp_path / d / ".metadata")]
+
+    for where in ("data", "commit"):
         with pytest.raises(RankError):
             run_ranks(_die_during_save, 2, root, where)
         assert os.readlink(tmp_path / "latest") == "v000001"
-        assert os.path.exists(tmp_path / version / ".metadata") == (where == "commit")
+        assert len(complete_wrecks()) == (where == "commit"), os.listdir(tmp_path)
         assert first_difference(run_ranks(_load_full, 2, root)[0], before[0]) is None
     after = run_ranks(_save_one, 2, root, 2, False)  # skips the wrecks, then deletes them
-    assert sorted(os.listdir(tmp_path)) == ["latest", "v000004"]
+    latest = os.readlink(tmp_path / "latest")
+    assert latest > "v000002" and sorted(os.listdir(tmp_path)) == ["latest", latest]
     assert first_difference(run_ranks(_load_full, 2, root, False)[0], after[0]) is None
 
 

@@ -60,19 +60,19 @@ def test_every_stage_is_bitwise_equal_to_ddp_and_fsdp2(model, opt):
     _assert_bitwise(model, opt, kinds)
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp", "encoder"])
+@pytest.mark.parametrize("model", sample(["gpt"], ["gpt", "mlp", "encoder"]))
 def test_gradient_accumulation_under_no_sync(model):
     _assert_bitwise(model, "adamw", ["zero1", "zero2", "zero3", "fsdp2"], step_kw={"micro": 2})
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("model", sample(["mlp"], ["gpt", "mlp"]))
 def test_inf_norm_clipping_is_bitwise(model):
     # A maximum does not depend on summation order: the clip coefficient is the same number.
     _assert_bitwise(model, "adamw", ["zero1", "zero2", "zero3"],
                     step_kw={"clip": (0.05, float("inf"))})
 
 
-@pytest.mark.parametrize("model", ["gpt", "encoder"])
+@pytest.mark.parametrize("model", sample(["encoder"], ["gpt", "encoder"]))
 def test_reshard_after_forward_false_is_bitwise_equal_to_fsdp2(model):
     _assert_bitwise(model, "adamw", ["zero3", "fsdp2"], sys_kw={"reshard_after_forward": False})
 
@@ -95,7 +95,7 @@ def _mixed_precision(rank, n, model):
     return failures
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp", "encoder"])
+@pytest.mark.parametrize("model", sample(["gpt", "encoder"], ["gpt", "mlp", "encoder"]))
 def test_bf16_mixed_precision_is_bitwise_equal_to_fsdp2(model):
     assert run_ranks(_mixed_precision, 2, model) == [[], []]
 
@@ -139,7 +139,7 @@ def _two_norm_clipping(rank, n, model, opt):
     return worst
 
 
-@pytest.mark.parametrize("model", ["gpt", "mlp"])
+@pytest.mark.parametrize("model", sample(["gpt"], ["gpt", "mlp"]))
 def test_two_norm_clipping_within_reduction_order_bound(model):
     # The 2-norm sums squares in a different order than torch's (per piece, then over ranks):
     # the norm may differ from DDP's by an ulp (FSDP2's does too), so clipped steps differ.

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import zero
 from compare import DIM, ZERO, Net, System, Tanh, batch_of, compare, make_optimizer
+from conftest import sample
 from harness import run_ranks
 
 
@@ -265,7 +266,9 @@ def _default_mode_case(rank, n, name):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("name", list(DEFAULT_MODE))
+@pytest.mark.parametrize("name", sample(
+    [n for n in DEFAULT_MODE if not n.startswith(("stage 2: backward", "stage 1: an evaluation"))],
+    list(DEFAULT_MODE)))
 def test_default_mode_every_waiting_rank_raises_within_the_bound(name):
     results = run_ranks(_default_mode_case, 2, name, timeout=30)
     _, expected, waiting = DEFAULT_MODE[name]

@@ -42,7 +42,7 @@ def torchtitan_imported():
 
 
 # Each entry: one FSDP2 run, then zero at each stage listed.
-CASES = [[Case(stage=1), Case(stage=2), Case(stage=3)], [Case("deepseek_v3", stage=3)]]
+CASES = [[Case(stage=1), Case(stage=2), Case(stage=3)]]  # the MoE model: in the full matrix
 MATRIX = [[Case(m, s, p, a) for s in (1, 2, 3)] for m in ("llama3", "deepseek_v3")
           for p in ("fp32", "bf16") for a in ("none", "full", "selective")] + [
     [Case(stage=s, reshard="never", accumulate=2, tied=True) for s in (1, 2, 3)],
