@@ -10,6 +10,7 @@ compared bitwise.
 
 import collections
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.testing._internal.common_fsdp import DoubleLinear
@@ -131,6 +132,7 @@ def _backward_twice(rank, n):
     return out
 
 
+@pytest.mark.full  # sampled: the port runs whole under ZERO_FULL=1
 def test_backward_twice_through_a_retained_graph():
     # Ports the parity half of test_fully_shard_comm.py's
     # TestFullyShardPrefetch._test_backward_prefetch_unused_in_backward: two outputs, a backward

@@ -4,6 +4,7 @@ unfreezing mid-training, a no_grad iteration, frozen units called several times.
 against torch's reference and ``fully_shard``, bitwise at world size 2 (tests/fsdp2_port.py).
 """
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -55,6 +56,7 @@ def _mixed_requires_grad_per_unit(rank, n):
     return out
 
 
+@pytest.mark.full  # sampled: the port runs whole under ZERO_FULL=1
 def test_train_mixed_requires_grad_per_unit():
     # Ports TestFullyShardFrozen.test_train_mixed_requires_grad_per_group (BitFit: frozen
     # weights, trainable biases, in every unit). FSDP2 reduce-scatters only the trainable

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import zero
 from fsdp2_port import (ZERO, Trainer, data, fully_shard_units, mismatches, train,
                         zero_full, zero_fully_shard_units)
+from conftest import sample
 from harness import run_ranks
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -264,7 +265,7 @@ def structured():
     return run_ranks(_structured, 2)  # one run for the three tests below
 
 
-@pytest.mark.parametrize("kind", ["dataclass", "nested_dataclass", "namedtuple"])
+@pytest.mark.parametrize("kind", sample(["nested_dataclass"], ["dataclass", "nested_dataclass", "namedtuple"]))
 def test_structured_input_output(kind):
     # Ports test_structured_input_output (fp32, bf16, bf16 with fp32 reduction). Dataclasses
     # between units were issue 11 case 4, fixed in b7b0865.

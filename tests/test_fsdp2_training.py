@@ -255,6 +255,7 @@ def _chunked_head(rank, n):
     return out
 
 
+@pytest.mark.full  # sampled: torchtitan's chunked loss covers it in the suite
 def test_partial_forward_then_standalone_head_chunks():
     # Ports test_partial_group_forward_then_standalone, ungrouped (norm and head are their own
     # units; the grouped variant needs a unit of several modules), without mixed precision.
@@ -458,6 +459,7 @@ def _gradient_accumulation(rank, n, mode):
     return out, counts
 
 
+@pytest.mark.full  # sampled: ..._some_units runs in the suite
 def test_gradient_accumulation_all_units():
     # Ports test_gradient_accumulation, mode "all" (set_requires_gradient_sync(False) on the
     # root): ours equal FSDP2 bitwise, and issue FSDP2's reduce-scatters (one per unit, on the

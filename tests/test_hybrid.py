@@ -30,6 +30,7 @@ def _against(rank, n, ref_kind, kinds, ref_kw, kw, mp=False, steps=3):
 
 
 @pytest.mark.parametrize("mp", sample([False], [False, True]))
+@pytest.mark.full  # test_fully_shard.py checks HSDP against FSDP2 in the sample
 def test_hsdp_is_bitwise_equal_to_fsdp2_hsdp(mp):
     mesh = {"mesh_shape": MESH}
     assert run_ranks(_against, 4, "fsdp2", ["zero3"], mesh, mesh, mp) == [[]] * 4
