@@ -78,7 +78,7 @@ def time_table(rows) -> list[str]:
     return out
 
 
-TARGETS = [  # (what, numerator, denominator, measure, at most): notes/09 and notes/10
+TARGETS = [  # (what, numerator, denominator, measure, at most): notes/06 and notes/10
     ("ZeRO-3 step time / FSDP2's", "zero3", "fsdp2", "step_time", 0.9),
     ("ZeRO-2 step time / FSDP2 no-reshard's", "zero2", "fsdp2-noreshard", "step_time", 1.0),
     ("ZeRO-1 step time / DDP's", "zero1", "ddp", "step_time", 1.10),

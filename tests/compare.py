@@ -3,7 +3,7 @@
 The systems are built by ``zerolab.systems.System`` (DDP, DDP + ZeroRedundancyOptimizer, our
 stages, FSDP2 on the same units). Every system starts
 from the same initial weights and sees the same per-rank data, so at world size 2 their
-parameters must agree bitwise after every step (the numerical contract of notes/05-equality.md).
+parameters must agree bitwise after every step (the numerical contract of notes/07-equality.md).
 """
 
 from __future__ import annotations

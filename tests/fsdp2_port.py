@@ -13,7 +13,7 @@ runs it, in the same ranks and on the same data, with several systems built from
 - "zero.fully_shard": ``zero.fully_shard`` on the same units, with FSDP2's arguments (stage 3,
   FSDP2's rows layout): the drop-in, run through every scenario as FSDP2 is.
 
-At world size 2 in fp32 all of them must agree bitwise (notes/05-equality.md says why that is
+At world size 2 in fp32 all of them must agree bitwise (notes/07-equality.md says why that is
 possible). ``mismatches`` lists what does not, one line per disagreement, each starting with the
 system that disagrees, so a test can assert per system.
 """

@@ -11,7 +11,7 @@ out of the address space (the files' size, the model's, and ``SLACK``), a crash,
 The structured mutations damage what .metadata says (sizes, offsets, records, paths, dtypes,
 chunks); they do not relabel one valid checkpoint as another (two records of the same shape
 swapped load as each other: a checkpoint's numbers are what it says they are, "Trust" in
-notes/07-checkpoints.md).
+notes/08-checkpoints.md).
 """
 
 import collections

@@ -1,8 +1,8 @@
-"""Training with each stage equals DDP and FSDP2, step by step (notes/05-equality.md).
+"""Training with each stage equals DDP and FSDP2, step by step (notes/07-equality.md).
 
 World size 2 is bitwise (``torch.equal`` after every step, and our shard's optimizer state
 equals the matching slice of DDP's); world sizes 3 and 4 agree to the reduction-order bound
-(notes/05-equality.md explains both).
+(notes/07-equality.md explains both).
 """
 
 import pytest
@@ -143,6 +143,6 @@ def _two_norm_clipping(rank, n, model, opt):
 def test_two_norm_clipping_within_reduction_order_bound(model):
     # The 2-norm sums squares in a different order than torch's (per piece, then over ranks):
     # the norm may differ from DDP's by an ulp (FSDP2's does too), so clipped steps differ.
-    # With SGD the parameters stay within the reduction-order bound (notes/05-equality.md).
+    # With SGD the parameters stay within the reduction-order bound (notes/07-equality.md).
     worst = run_ranks(_two_norm_clipping, 2, model, "sgd")[0]
     assert worst["norm"] <= 3e-7 and worst["params"] <= 1e-6, worst

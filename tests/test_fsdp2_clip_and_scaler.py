@@ -5,7 +5,7 @@ FSDP2 clips with ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients; ours i
 ``zero.clip_grad_norm_`` (torch's function would see only this rank's pieces). The 1- and
 2-norms are sums whose order differs between systems, so, as in torch's test, the norms and the
 clipped gradients agree within fp32 tolerance; the inf-norm is a maximum and agrees bitwise
-(notes/05-equality.md).
+(notes/07-equality.md).
 """
 
 import torch

@@ -1,6 +1,6 @@
 """zero.save / zero.load across the layouts (zero/core/flat.py, rows.py, whole.py), bitwise.
 
-The checkpoint is FSDP2's layout whatever the model's (notes/07), so a flat model's checkpoint
+The checkpoint is FSDP2's layout whatever the model's (notes/08), so a flat model's checkpoint
 loads into a rows or whole model and back, at another world size or stage too, and training
 then goes on exactly as the saved one would have.
 """
@@ -65,7 +65,7 @@ def test_a_checkpoint_moves_between_layouts_bitwise(saved, loaded, tmp_path):
 
 def test_rows_at_world_size_3_loads_what_flat_saved_at_2(tmp_path):
     """Across world sizes the sums over ranks change order: the parameters must arrive
-    bitwise, the training after within the reduction-order bound (notes/05)."""
+    bitwise, the training after within the reduction-order bound (notes/07)."""
     path = str(tmp_path / "ckpt")
     run_ranks(_save, 2, path, 3, "flat")
     saved = run_ranks(_load_only, 2, path, 3, "flat")[0]

@@ -2,7 +2,7 @@
 
 Each rank holds its dim-0 chunk of every parameter, gathered and reduced in FSDP2's rank-major
 buffer, so the sums over ranks happen in FSDP2's order (at world size 3 and 4 too, where the
-flat layout is ulps away: notes/05-equality.md); and the parameters are Shard(0) DTensors, so
+flat layout is ulps away: notes/07-equality.md); and the parameters are Shard(0) DTensors, so
 torch's own clip_grad_norm_ and DCP's state-dict functions see what they see on FSDP2.
 """
 

@@ -5,7 +5,7 @@ on a piece of a parameter they compute something else. With each parameter whole
 the owner's optimizer sees the whole averaged gradient, in the parameter's shape. At world size
 2 that is DDP's training bit for bit (the mean of two gradients does not depend on the order
 of the sum); at 3 the mean itself is summed in another order than DDP's bucket (as for every
-layout: notes/05-equality.md), so there the test holds the step itself: the owner's update is
+layout: notes/07-equality.md), so there the test holds the step itself: the owner's update is
 bitwise the same optimizer's on the whole tensor, given the same gradient.
 """
 

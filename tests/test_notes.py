@@ -213,7 +213,7 @@ def test_the_animation_is_what_its_script_builds_today():
     assert most[1]["grads"] > most[2]["grads"]  # stage 2 never holds every full gradient
     assert all(len(f["full"]) == 3 for f in stages[2]["frames"])  # stages 1, 2: all, always
     assert not stages[3]["frames"][-1]["full"]  # stage 3 keeps no full parameters
-    for chapter in ("03-stage1.md", "04-stage2.md", "06-stage3.md", "00-start-here.md"):
+    for chapter in ("03-stage1.md", "04-stage2.md", "05-stage3.md", "00-start-here.md"):
         assert "figures/who_holds_what.html" in open(os.path.join(ROOT, "notes", chapter)).read()
 
 

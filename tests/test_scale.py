@@ -104,7 +104,7 @@ def test_forward_before_init_raises_naming_the_fix():
 
 
 def _expected(units, stage, mp):
-    """The paper's terms on our padded sizes, plus our documented extras (notes/08-scale.md)."""
+    """The paper's terms on our padded sizes, plus our documented extras (notes/09-scale.md)."""
     P = sum(u[0] for u in units)  # padded flat numel, all units
     S = sum(u[1] for u in units)  # this rank's shard numel, all units
     n = sum(u[2] for u in units)  # parameter tensors: AdamW keeps a 4-byte step for each

@@ -6,7 +6,7 @@ inf-norm: all-reduce the local maxima). llm.c makes the same point about its ZeR
 
 Equality with DDP: the global norm is the same number, summed in a different order, so it
 can differ from ``torch.nn.utils.clip_grad_norm_`` by an ulp or two; the inf-norm (a maximum)
-is exact. ``notes/05-equality.md`` has the arithmetic.
+is exact. ``notes/07-equality.md`` has the arithmetic.
 """
 
 from __future__ import annotations

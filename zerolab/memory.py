@@ -19,7 +19,7 @@ worst instant: the same terms, unit by unit, walked through our schedule, plus t
 extras the formula leaves out (padding, AdamW's step counters, and the units in flight: a
 stage-3 unit being gathered while another computes, one unit's full gradient while it is
 reduce-scattered). What our stages really hold is measured from the outside, by
-``zerolab.trackers``; notes/09-comparison.md sets the two side by side.
+``zerolab.trackers``; notes/06-comparison.md sets the two side by side.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ full shape, each rank holding FSDP2's dim-0 chunk of it (``zero/checkpoint/fsdp2
 state likewise, and its param groups by parameter name. Nothing in it depends on our flat
 layout, the world size or the stage, so DCP reshards on load by reading whichever bytes
 overlap each rank's chunk, and FSDP2 reads our checkpoints and we read theirs
-(notes/07-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
+(notes/08-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
 
 Writes are atomic: a crash during ``save`` leaves the previous checkpoint loadable, a failed
 save leaves nothing behind, one job at a time writes into a directory, and only versions

@@ -6,7 +6,7 @@ whatever the file names. torch's DCP (2.13) reads ``.metadata`` with plain ``pic
 every rank, before anything is checked. Here ``_Unpickler``'s ``find_class`` hands out only
 the objects in ``ALLOWED``, what DCP's metadata is made of; anything else raises
 ``UntrustedCheckpointError``, naming it. The checkpoint's other pickles (the values stored as
-bytes) are read in ``zero/checkpoint/reader.py``; the trust model is in notes/07-checkpoints.md,
+bytes) are read in ``zero/checkpoint/reader.py``; the trust model is in notes/08-checkpoints.md,
 "Trust".
 
 [Note: why the allowed set is safe]
@@ -60,7 +60,7 @@ class UntrustedCheckpointError(RuntimeError):
 
 ADVICE = ("the file is corrupt, or was made to run code when loaded; nothing in it was run. "
           "Do not trust this checkpoint: load one you saved yourself or got from a source you "
-          "trust (notes/07-checkpoints.md, 'Trust')")
+          "trust (notes/08-checkpoints.md, 'Trust')")
 
 
 def _layout(name: str) -> torch.layout:  # torch pickles a layout as _get_layout(str(layout))
