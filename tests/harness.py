@@ -18,8 +18,9 @@ __all__ = ["DEFAULT_TIMEOUT_S", "RankError", "RankTimeout", "run_main", "run_ran
 
 def run_main(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     """``python -m zero`` with ``argv``, forked: its exit code, stdout and stderr."""
-    reader, writer = mp.get_context("fork").Pipe(duplex=False)
-    proc = mp.get_context("fork").Process(target=_main, args=(argv, writer), daemon=True)
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_main, args=(argv, writer), daemon=True)
     proc.start()
     writer.close()
     if not reader.poll(timeout):

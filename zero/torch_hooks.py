@@ -109,10 +109,10 @@ ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "R
 
 
 def _guard_state_dicts(optimizer, units) -> None:
-    if getattr(optimizer, "_zero_state_dicts", None) == "guarded":
+    if getattr(optimizer, "_zero_state_dicts_guarded", False):
         return
-    if all(u.layout.name == "rows" for u in units):
-        optimizer._zero_state_dicts = "guarded"  # FSDP2's layout: DTensors, nothing to guard
+    if all(u.layout.name == "rows" for u in units):  # FSDP2's layout: DTensors, nothing to guard
+        optimizer._zero_state_dicts_guarded = True
         return
     if type(optimizer).__name__ in ELEMENTWISE:
         for p in (p for g in optimizer.param_groups for p in g["params"]):
@@ -126,7 +126,7 @@ def _guard_state_dicts(optimizer, units) -> None:
                         "opt) from a zero.save checkpoint")
     optimizer.register_state_dict_pre_hook(_optimizer_state_dict_pre_hook)
     optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
-    optimizer._zero_state_dicts = "guarded"
+    optimizer._zero_state_dicts_guarded = True
 
 
 def _optimizer_state_dict_pre_hook(optimizer) -> None:

@@ -222,9 +222,8 @@ def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dic
     """
     md = meta.state_dict_metadata
     if not any(k.startswith("model.") for k in md) and any(k in shapes for k in md):
-        # torchtitan's CheckpointManager flattens the model's entries to the top level and the
-        # optimizer's under "optimizer" (flattened again: "state.<name>.<key>"), with keys its
-        # own state-dict converters choose (llama3 saves its fused wqkv as wq, wk and wv).
+        # torchtitan's layout: keys its own state-dict converters choose (llama3's wqkv saved
+        # as wq, wk, wv), the optimizer flattened under "optimizer".
         top = _few(sorted(k for k in md if k in shapes))
         raise ValueError(
             f"checkpoint {ckpt} holds the model's entries at the top level ({top}), the "

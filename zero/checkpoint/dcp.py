@@ -147,12 +147,12 @@ def entries_of(model: nn.Module) -> dict:
     for unit in units:
         shown = []
         for p, shape in zip(unit.params, unit.layout.shapes):
-            if isinstance(p.data, torch.Tensor) and type(p.data) is torch.Tensor:
+            if type(p.data) is torch.Tensor:  # a 1-D piece (a DTensor is shown as it is)
                 t = torch.empty(shape, dtype=p.dtype, device="meta")
                 stand_in[id(t)] = p
                 shown.append(t)
             else:
-                shown.append(p)  # a DTensor of the full shape already
+                shown.append(p)
         unit.use(shown)
     try:
         with torch_hooks.state_dict_access():
