@@ -47,7 +47,8 @@ SWEEP_SIZES = [(2, 64), (4, 128), (4, 256)]  # (layers, dim): 0.12M to 3.3M para
 SWEEP_WORLD_SIZES = [1, 2, 4]
 SWEEP_KINDS = ["ddp", "zero1", "zero2", "zero3"]
 PAPER_STAGE = {"ddp": 0, "ddp+zro": 1, "zero1": 1, "zero2": 2, "zero3": 3,
-               "fsdp2-noreshard": 2, "fsdp2": 3, "zero3-offload": 3, "zero3-qwz": 3}
+               "fsdp2-noreshard": 2, "fsdp2": 3, "zero3-offload": 3, "zero3-disk": 3,
+               "zero3-qwz": 3}
 
 
 def measure(rank: int, n: int, kind: str, args) -> dict:

@@ -18,7 +18,7 @@ one layer a folder; no file imports one above it:
 - the public surface, here: ``shard`` (the entry point), ``agreement`` (the ranks agree on
   the model), ``wrap`` (FSDP1's auto-wrap and strategies), ``fsdp2`` (``fully_shard``:
   FSDP2's signature and methods), ``policies`` (``MixedPrecision``, the layouts),
-  ``offload`` (CPU offload), ``controls`` (FSDP2's control surface), ``torch_hooks`` (hooks on
+  ``offload`` (CPU offload), ``disk_offload`` (the optimizer state in files), ``controls`` (FSDP2's control surface), ``torch_hooks`` (hooks on
   torch's optimizers and state dicts), ``clip``, ``state_dict``, ``meta_init``,
   ``grad_scaler``.
 """
@@ -36,6 +36,7 @@ from zero.controls import (
     set_reshard_after_forward,
     unshard,
 )
+from zero.disk_offload import DiskOffload
 from zero.fsdp2 import fully_shard
 from zero.grad_scaler import ShardedGradScaler
 from zero.meta_init import init_parameters
@@ -48,6 +49,7 @@ __all__ = [
     "CPUOffload",
     "CollectiveTimeout",
     "Disagreement",
+    "DiskOffload",
     "Ledger",
     "MixedPrecision",
     "QuantizedWeights",

@@ -66,5 +66,5 @@ def offload_from_torch(policy):
         return None
     if kind == "CPUOffloadPolicy":
         return CPUOffload(pin_memory=policy.pin_memory)
-    raise TypeError(f"offload_policy must be zero.CPUOffload (or torch's CPUOffloadPolicy), "
-                    f"got {kind}")
+    raise TypeError(f"offload_policy must be zero.CPUOffload, zero.DiskOffload (or torch's "
+                    f"CPUOffloadPolicy), got {kind}")

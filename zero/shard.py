@@ -105,7 +105,9 @@ def shard(
             the root (``zero/wrap.py``).
         offload_policy: ``zero.CPUOffload()`` (or torch's ``CPUOffloadPolicy``): the shards,
             their gradients and the optimizer state live on the host, and ``opt.step()`` runs
-            there (ZeRO-Offload; ``zero/offload.py``). None: on the compute device.
+            there (ZeRO-Offload; ``zero/offload.py``); ``zero.DiskOffload(directory)``: and the
+            optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's disk
+            tier; ``zero/disk_offload.py``). None: on the compute device.
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
             (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
             of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).

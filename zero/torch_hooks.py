@@ -19,6 +19,7 @@ results; each way in gets a hook that either does the right thing or raises, nam
 from __future__ import annotations
 
 import contextlib
+import copy
 from functools import partial
 
 import torch
@@ -27,6 +28,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from zero.core import registry
+from zero.disk_offload import DiskOffload
 
 _state = {"optimizer_hook": False, "state_dict_access": 0}
 
@@ -87,13 +89,45 @@ NO_LAYOUT = {"LBFGS": "it takes dot products over all parameters as one vector, 
                       "holds only its share"}
 
 
-def _before_step(optimizer, args, kwargs) -> None:
+def _before_step(optimizer, args, kwargs):
     units = units_of_optimizer(optimizer)
     if units:
         _refuse_whole_tensor_optimizers(optimizer, units)
         _guard_state_dicts(optimizer, units)
     for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
+    on_disk = [u for u in units if isinstance(u.offload, DiskOffload)]
+    return _step_from_disk(optimizer, on_disk, args, kwargs) if on_disk else None
+
+
+def _step_from_disk(optimizer, units, args, kwargs):
+    """Disk offload (``zero/disk_offload.py``): step unit by unit, each unit's state read from
+    its file and written back; the call itself then runs on a stand-in that holds only the
+    parameters of no such unit (what the hook returns is the call's arguments)."""
+    kind = type(optimizer).__name__
+    own_step = getattr(type(optimizer).step, "__wrapped__", None)
+    if kind not in ELEMENTWISE or own_step is None:
+        raise RuntimeError(
+            f"DiskOffload steps the optimizer unit by unit, which computes what one step does "
+            f"only for an optimizer that updates each parameter on its own; {kind} is not one "
+            f"zero knows ({sorted(ELEMENTWISE)}). Use CPUOffload with it")
+    if len(args) > 1 or kwargs:
+        raise ValueError(
+            "opt.step(closure) with DiskOffload: the step runs once per unit, and the closure "
+            "would be evaluated each time. Compute the loss and backward first, then opt.step()")
+    policies = {u.offload for u in units}
+    if len(policies) > 1:
+        raise ValueError(f"one optimizer over units with different DiskOffload policies "
+                         f"({len(policies)} directories): give them all one DiskOffload")
+    groups = optimizer.param_groups
+    pieces = [(u.name, [p for g in groups for p in g["params"] if registry.unit_of(p) is u])
+              for u in units]
+    on_disk = {id(p) for _, params in pieces for p in params}
+    policies.pop().store(optimizer).step(optimizer, pieces, lambda: own_step(optimizer))
+    stand_in = copy.copy(optimizer)  # (the same state; groups of the rest of the parameters)
+    stand_in.param_groups = [{**g, "params": [p for p in g["params"] if id(p) not in on_disk]}
+                             for g in groups]
+    return (stand_in, *args[1:]), kwargs
 
 
 # [Note: an optimizer's state dict] torch's optimizer.state_dict() holds each parameter's

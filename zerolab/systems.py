@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,9 @@ import zero
 
 KINDS = ("ddp", "ddp+zro", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
 # The rest of the ZeRO family, selectable by name (not in the default comparison): ZeRO-3 with
-# its shards on the host (ZeRO-Offload), and with int8 weight all-gathers (ZeRO++'s qwZ).
-FAMILY = ("zero3-offload", "zero3-qwz")
+# its shards on the host (ZeRO-Offload), its optimizer state in files too (ZeRO-Infinity's
+# disk tier), and with int8 weight all-gathers (ZeRO++'s qwZ).
+FAMILY = ("zero3-offload", "zero3-disk", "zero3-qwz")
 
 
 def stage_of(kind: str) -> int:
@@ -131,6 +133,8 @@ class System:
                 hybrid["secondary_group"] = node_mesh.get_group(1)
             if kind == "zero3-offload":
                 hybrid["offload_policy"] = zero.CPUOffload()
+            if kind == "zero3-disk":  # (the store makes, and removes, its own directory)
+                hybrid["offload_policy"] = zero.DiskOffload(tempfile.gettempdir())
             if kind == "zero3-qwz":
                 hybrid["comm_policy"] = zero.QuantizedWeights()
             if wrap != "units":

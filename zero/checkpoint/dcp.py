@@ -36,7 +36,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from zero import comm, torch_hooks
+from zero import comm, disk_offload, torch_hooks
 from zero.checkpoint import checks, reader
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
@@ -191,6 +191,11 @@ def _model_state(model: nn.Module, units) -> dict:
 
 def _optim_state(model: nn.Module, optimizer, units) -> dict:
     """FSDP2's optimizer state dict: state and param groups keyed by parameter name."""
+    with disk_offload.resident(optimizer):  # (DiskOffload: the state back from its files)
+        return _optim_state_in_memory(model, optimizer, units)
+
+
+def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     names = first_names(model)
     with torch_hooks.state_dict_access():  # (torch_hooks.py's note: refused to users)
         saved = optimizer.state_dict()  # keyed by position in the param groups

@@ -1,0 +1,172 @@
+"""Disk offload (zero/disk_offload.py): the optimizer state in files, the bits unchanged.
+
+What must hold: training bitwise equal to the in-memory run at every stage, fp32 and bf16
+compute; between steps no optimizer state in memory; every read and write in the ledger, the
+unit's state to the byte; at most two units' state held at once; a checkpoint saved and
+resumed through the files as through memory; and training under a memory limit that the
+in-memory run exceeds (benchmarks/disk_limit.py's runs).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import zero
+from compare import GPT
+from conftest import sample
+from harness import run_ranks
+from zerolab.models import GPTConfig
+
+
+def _model(stage, mp, offload):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
+    for unit in model.units():
+        zero.shard(unit, stage=stage, mp_policy=policy, offload_policy=offload)
+    return model
+
+
+def _steps(model, opt, rank, steps, first=0):
+    losses, ledgers = [], []
+    for s in range(first, first + steps):
+        x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
+        with zero.Ledger() as ledger:
+            loss = model.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach())
+        ledgers.append(ledger)
+    return losses, ledgers
+
+
+def _state_bytes(tensors) -> int:
+    return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
+
+
+def _train(rank, n, stage, mp, directory, steps=3):
+    offload = zero.DiskOffload(os.path.join(directory, f"r{rank}")) if directory else None
+    model = _model(stage, mp, offload)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() > 1]},
+                             {"params": [p for p in model.parameters() if p.dim() <= 1],
+                              "weight_decay": 0.0}], lr=1e-2)
+    losses, ledgers = _steps(model, opt, rank, steps)
+    out = {"losses": losses, "params": zero.full_state_dict(model)}
+    if directory:
+        store = zero.disk_offload.stores_of(opt)[0]
+        units = zero.units_of(model)
+        # The in-memory state a unit holds is its parameters' exp_avg and exp_avg_sq (fp32,
+        # the piece's shape), each at a multiple of 64 bytes in the unit's buffer.
+        per_unit = {u.name: _state_bytes([p.detach() for p in u.params if p.numel()] * 2)
+                    for u in units}
+        out["formula"] = per_unit
+        out["records"] = [[(r.op, r.unit, r.buffer_bytes, r.sent_bytes) for r in lg.records
+                           if r.op in ("read", "write")] for lg in ledgers]
+        out["state_between_steps"] = sum(len(s) for s in opt.state.values())
+        out["peak"], out["two_largest"] = store.peak_bytes, sum(sorted(per_unit.values())[-2:])
+        out["files"] = sorted(os.listdir(store.root))
+        out["root"] = store.root
+        del opt, store
+        import gc
+
+        gc.collect()
+        out["removed"] = not os.path.exists(out["root"])
+    return out
+
+
+CASES = [(1, False), (2, False), (3, False), (3, True)]
+EVERY = [(s, mp) for s in (1, 2, 3) for mp in (False, True)]
+
+
+@pytest.mark.parametrize("stage,mp", sample(CASES, EVERY))
+def test_disk_offload_trains_bitwise_like_memory_and_counts_every_byte(stage, mp, tmp_path):
+    plain = run_ranks(_train, 2, stage, mp, None)
+    disk = run_ranks(_train, 2, stage, mp, str(tmp_path))
+    for p, d in zip(plain, disk):
+        assert all(torch.equal(a, b) for a, b in zip(p["losses"], d["losses"]))
+        assert all(torch.equal(p["params"][k], d["params"][k]) for k in p["params"])
+        units = d["formula"]
+        first, *later = d["records"]
+        # The first step makes the state and writes it; each later one reads it and writes it.
+        assert sorted(first) == sorted(("write", u, b, 0) for u, b in units.items())
+        for records in later:
+            assert sorted(records) == sorted([("read", u, b, 0) for u, b in units.items()]
+                                             + [("write", u, b, 0) for u, b in units.items()])
+        assert d["state_between_steps"] == 0  # all of it is in the files
+        assert 0 < d["peak"] <= d["two_largest"]
+        assert len(d["files"]) == len(units)
+        assert d["removed"]  # the store's own directory goes with the optimizer
+
+
+def test_disk_offload_at_world_size_3(tmp_path):
+    plain, disk = run_ranks(_train, 3, 3, True, None), run_ranks(_train, 3, 3, True, str(tmp_path))
+    for p, d in zip(plain, disk):
+        assert all(torch.equal(a, b) for a, b in zip(p["losses"], d["losses"]))
+        assert all(torch.equal(p["params"][k], d["params"][k]) for k in p["params"])
+
+
+def _resume(rank, n, directory, ckpt):
+    """Two steps, save, two more; and a fresh model loading the checkpoint, then two more."""
+    offload = zero.DiskOffload(os.path.join(directory, f"r{rank}")) if directory else None
+    model = _model(3, False, offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, rank, 2)
+    zero.save(ckpt, model, opt)
+    resident_after_save = sum(len(s) for s in opt.state.values())
+    going_on, _ = _steps(model, opt, rank, 2, first=2)
+    fresh = _model(3, False, offload)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _steps(fresh, opt2, rank, 1, first=7)  # (its own state, replaced by the load)
+    zero.load(ckpt, fresh, opt2)
+    resident_after_load = sum(len(s) for s in opt2.state.values())
+    resumed, _ = _steps(fresh, opt2, rank, 2, first=2)
+    return going_on, resumed, resident_after_save, resident_after_load
+
+
+def test_a_checkpoint_goes_through_the_files(tmp_path):
+    plain = run_ranks(_resume, 2, None, str(tmp_path / "mem"))
+    disk = run_ranks(_resume, 2, str(tmp_path / "disk"), str(tmp_path / "ckpt"))
+    for (p_on, p_res, *_), (d_on, d_res, after_save, after_load) in zip(plain, disk):
+        assert all(torch.equal(a, b) for a, b in zip(p_on + p_res, d_on + d_res))
+        assert all(torch.equal(a, b) for a, b in zip(d_on, d_res))  # resumed = went on
+        assert after_save == after_load == 0  # back in the files both times
+
+
+def _refused(rank, n, directory, what):
+    model = _model(3, False, zero.DiskOffload(directory))
+    opt = (torch.optim.Adagrad if what == "closure" else torch.optim.LBFGS)(model.parameters())
+    x, y = model.batch(4, torch.Generator().manual_seed(rank))
+    model.loss(model(x), y).backward()
+    try:
+        opt.step((lambda: None) if what == "closure" else None)
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return "stepped"
+
+
+@pytest.mark.parametrize("what", ["closure", "lbfgs"])
+def test_a_step_disk_offload_cannot_split_is_refused(what, tmp_path):
+    message = run_ranks(_refused, 2, str(tmp_path), what)[0]
+    assert ("closure" in message) if what == "closure" else ("LBFGS" in message)
+
+
+# ---- under a memory limit ------------------------------------------------------------------
+
+
+def test_disk_offload_trains_under_a_memory_limit_the_in_memory_run_exceeds():
+    """benchmarks/disk_limit.py's three runs, each in a fresh interpreter: 8 units of 1024 x
+    1024, AdamW's state 32 MiB a rank, the address space allowed to grow by 24 MiB."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import disk_limit
+
+    reference, in_memory, on_disk = disk_limit.measure(layers=8, dim=1024, budget_mib=24, steps=3)
+    assert in_memory["budget"] == on_disk["budget"] == 24 << 20 and not reference["budget"]
+    for ref, mem, disk in zip(reference["ranks"], in_memory["ranks"], on_disk["ranks"]):
+        assert disk["state"] > on_disk["budget"]  # the state alone is more than the limit allows
+        assert "can't allocate memory" in mem["error"] or "waited" in mem["error"]
+        assert disk["params_sha256"] == ref["params_sha256"]  # bitwise the unlimited run
+        assert disk["held"] <= 2 * disk["state"] / 8  # two units' state at most
+    assert any("can't allocate memory" in mem["error"] for mem in in_memory["ranks"])

@@ -1,0 +1,265 @@
+"""Disk offload (ZeRO-Infinity's NVMe tier, on any file system): the optimizer state in files.
+
+ZeRO-Offload (``zero/offload.py``) frees the accelerator of the model states and puts them on
+the host; ZeRO-Infinity (Rajbhandari et al., "ZeRO-Infinity: Breaking the GPU Memory Wall for
+Extreme Scale Deep Learning", SC21) goes one tier further, and this file takes its largest
+part there: the optimizer state (AdamW's two moments, 8 bytes a parameter against the shard's
+4) lives in one file per unit, and a rank holds the state of at most two units in memory. The
+shards and their gradients stay on the host, as with CPU offload, and the step runs there.
+
+torch's optimizers step a whole parameter group in one call and read every parameter's state
+first (AdamW's ``_init_group``), so the step is split here, unit by unit, inside the global
+step pre-hook (``zero/torch_hooks.py``) that every optimizer over zero's pieces already runs::
+
+    opt.step():  pre-hook: for each unit k (the same order on every rank):
+                     read unit k+1's file in the background     (disk -> memory)
+                     opt's own step over unit k's parameters only, their state put back
+                     write unit k's state back in the background (memory -> disk), drop it
+                 the call itself: over the parameters no unit holds (none, usually)
+                 post-hook: as for any optimizer
+
+Stepping a unit's parameters apart from the rest computes, parameter by parameter, what one
+call computes: every optimizer that zero steps on pieces updates each parameter on its own
+(``torch_hooks.ELEMENTWISE``, checked below), so the bits are those of the in-memory run
+(tests/test_disk_offload.py). What is read and written is counted in the ledger ("read" and
+"write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say how much state
+the store holds in memory. The files are this store's own: a fresh directory under the one
+given, removed when the optimizer is; nothing else there is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from zero.comm import ledger
+from zero.offload import CPUOffload
+
+ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit's buffer
+
+
+class DiskOffload(CPUOffload):
+    """The shards on the host (``CPUOffload``), the optimizer state in files under ``directory``.
+
+    Args:
+        directory: where each rank makes its own directory of state files (a local SSD, say);
+            it need not be the same path on every rank.
+        pin_memory: as ``CPUOffload``'s.
+    """
+
+    def __init__(self, directory: str | os.PathLike, pin_memory: bool = True):
+        super().__init__(pin_memory=pin_memory)
+        object.__setattr__(self, "directory", os.fspath(directory))
+
+    def __repr__(self) -> str:  # (the ranks agree on it: the directory may differ per rank)
+        return f"DiskOffload(pin_memory={self.pin_memory})"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is DiskOffload and (other.directory, other.pin_memory) == (
+            self.directory, self.pin_memory)
+
+    def __hash__(self) -> int:
+        return hash((DiskOffload, self.directory, self.pin_memory))
+
+    def store(self, optimizer) -> "StateStore":
+        """The optimizer's store of state files (made at its first step)."""
+        stores = optimizer.__dict__.setdefault("_zero_disk_stores", {})
+        if self not in stores:
+            stores[self] = StateStore(self.directory)
+        return stores[self]
+
+
+def stores_of(optimizer) -> list["StateStore"]:
+    return list(optimizer.__dict__.get("_zero_disk_stores", {}).values())
+
+
+class StateStore:
+    """One optimizer's state for the units of one ``DiskOffload``, in one file per unit.
+
+    A unit's state is one byte buffer, the tensors of its parameters' state end to end (each
+    at a multiple of ``ALIGN``); its index (which parameter, key, dtype, shape, where) stays in
+    memory with the scalar state (AdamW's ``step``, a 0-d tensor), which is too small to move.
+    """
+
+    def __init__(self, directory: str):
+        os.makedirs(directory, exist_ok=True)
+        self.root = tempfile.mkdtemp(prefix="zero-optimizer-state-", dir=directory)
+        weakref.finalize(self, shutil.rmtree, self.root, True)  # only what we made
+        self.index: dict[str, list] = {}  # unit name -> [(param, key, dtype, shape, offset)]
+        self.sizes: dict[str, int] = {}  # unit name -> its buffer's bytes
+        self.files: dict[str, int] = {}  # unit name -> its file's number
+        self.scalars: dict = {}  # param -> {key: value} kept in memory
+        self.pieces: list[tuple[str, list]] = []  # (unit name, its parameters), the last step's
+        self.held_bytes = self.peak_bytes = 0
+        self._lock = threading.Lock()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-disk")
+
+    def path(self, unit: str) -> str:
+        number = self.files.setdefault(unit, len(self.files))
+        return os.path.join(self.root, f"unit{number:05d}.state")
+
+    def _hold(self, nbytes: int) -> None:
+        with self._lock:
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    # ---- one unit's state, between its file and the optimizer -------------------------------
+
+    def read(self, unit: str) -> torch.Tensor | None:
+        """Unit ``unit``'s state buffer from its file (None before its first step)."""
+        size = self.sizes.get(unit)
+        if size is None:
+            return None
+        buf = torch.empty(size, dtype=torch.uint8)
+        self._hold(size)
+        with open(self.path(unit), "rb", buffering=0) as f:
+            if f.readinto(buf.numpy()) != size:
+                raise RuntimeError(f"the optimizer state file {self.path(unit)} is shorter than "
+                                   f"the {size} bytes written to it: was it changed on disk?")
+        ledger.record_copy("read", buf, unit, "step")
+        return buf
+
+    def put_back(self, optimizer, unit: str, params: list, buf: torch.Tensor | None) -> None:
+        """Give the optimizer the unit's state, as views into ``buf``."""
+        for p, key, dtype, shape, offset in self.index.get(unit, ()):
+            nbytes = shape.numel() * dtype.itemsize
+            optimizer.state[p][key] = buf[offset:offset + nbytes].view(dtype).view(shape)
+        for p in params:
+            if self.scalars.get(p):
+                optimizer.state[p].update(self.scalars[p])
+
+    def take_out(self, optimizer, unit: str, params: list, buf: torch.Tensor | None):
+        """Take the unit's state out of the optimizer, into ``buf`` (made at the first step);
+        returns the buffer to write."""
+        if unit not in self.index:  # the first step: the optimizer made the state just now
+            buf = self._layout(optimizer, unit, params)
+        for p, key, dtype, shape, offset in self.index[unit]:
+            value = optimizer.state[p][key]
+            if value.dtype != dtype or value.shape != shape:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} changed the dtype or shape of its state "
+                    f"{key!r} ({dtype}, {tuple(shape)} -> {value.dtype}, {tuple(value.shape)}) "
+                    "between steps: DiskOffload keeps each unit's state in a file of fixed "
+                    "layout. Use CPUOffload with this optimizer")
+            view = buf[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            if value.data_ptr() != view.data_ptr():  # (replaced, not updated in place)
+                view.copy_(value)
+        for p in params:
+            state = optimizer.state.pop(p, {})
+            self.scalars[p] = {k: v for k, v in state.items() if not _moved(v)}
+        return buf
+
+    def forget(self, unit: str, params: list) -> None:
+        """The unit has no state (a load gave it none): as in memory, it starts afresh."""
+        self.index.pop(unit, None)
+        if self.sizes.pop(unit, None) is not None:
+            os.remove(self.path(unit))
+        for p in params:
+            self.scalars.pop(p, None)
+
+    def write(self, unit: str, buf: torch.Tensor) -> None:
+        """Write the unit's buffer to its file; it is freed once written."""
+        with open(self.path(unit), "wb", buffering=0) as f:
+            f.write(buf.numpy())
+        ledger.record_copy("write", buf, unit, "step")
+        with self._lock:
+            self.held_bytes -= buf.numel()
+
+    def _layout(self, optimizer, unit: str, params: list) -> torch.Tensor:
+        entries, offset = [], 0
+        for p in params:
+            for key, value in optimizer.state.get(p, {}).items():
+                if _moved(value):
+                    entries.append((p, key, value.dtype, value.shape, offset))
+                    offset += -(-value.numel() * value.element_size() // ALIGN) * ALIGN
+        self.index[unit], self.sizes[unit] = entries, offset
+        self._hold(offset)  # (the optimizer's new tensors are copied in, then dropped)
+        return torch.empty(offset, dtype=torch.uint8)
+
+    # ---- the whole step, and the whole state for a checkpoint -------------------------------
+
+    def step(self, optimizer, pieces: list[tuple[str, list]], own_step) -> None:
+        """``own_step()`` once per unit, over ``pieces`` (unit name, its parameters in the
+        optimizer) in order, each unit's state read before and written after, one ahead."""
+        self.pieces = pieces
+        ahead = self._io.submit(self.read, pieces[0][0]) if pieces else None
+        writes, current = [], []
+        try:
+            for k, (unit, params) in enumerate(pieces):
+                buf, current = ahead.result(), params
+                if k + 1 < len(pieces):  # the next unit's read overlaps this unit's step
+                    ahead = self._io.submit(self.read, pieces[k + 1][0])
+                self.put_back(optimizer, unit, params, buf)
+                with only(optimizer, params):
+                    own_step()
+                buf = self.take_out(optimizer, unit, params, buf)
+                current = []
+                writes.append(self._io.submit(self.write, unit, buf))
+                del buf
+        finally:
+            for w in writes:
+                w.result()  # every unit on disk again before the step returns
+            if ahead is not None:
+                ahead.result()
+            for p in current:  # a step that raised: the unit's file holds its state before it
+                optimizer.state.pop(p, None)
+            self.held_bytes = 0  # (nothing is held between steps)
+
+    def load_all(self, optimizer) -> None:
+        """Every unit's state back in the optimizer (for a checkpoint's state dict)."""
+        for unit, params in self.pieces:
+            self.put_back(optimizer, unit, params, self.read(unit))
+
+    def store_all(self, optimizer) -> None:
+        """Every unit's state from the optimizer to its file again (after ``load_all``, and
+        after a load, which may have replaced all of it)."""
+        for unit, params in self.pieces:
+            self.forget(unit, [])
+            if any(p in optimizer.state for p in params):
+                self.write(unit, self.take_out(optimizer, unit, params, None))
+            else:
+                self.forget(unit, params)
+        self.held_bytes = 0
+
+
+@contextlib.contextmanager
+def resident(optimizer):
+    """All of ``optimizer``'s state in memory for the duration, then back in its files: for
+    ``zero.save`` (which reads it) and ``zero.load`` (which replaces it). Nothing else reads an
+    optimizer's state between steps; while it is on disk ``optimizer.state`` holds none of it."""
+    stores = stores_of(optimizer)
+    for store in stores:
+        store.load_all(optimizer)
+    try:
+        yield
+    finally:
+        for store in stores:
+            store.store_all(optimizer)
+
+
+def _moved(value) -> bool:
+    """Whether a state value goes to disk: a tensor with elements (not AdamW's 0-d step)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+class only:
+    """The optimizer's groups hold only ``params`` for the duration (always restored)."""
+
+    def __init__(self, optimizer, params: list):
+        self.groups, self.keep = optimizer.param_groups, {id(p) for p in params}
+
+    def __enter__(self):
+        self.saved = [g["params"] for g in self.groups]
+        for g in self.groups:
+            g["params"] = [p for p in g["params"] if id(p) in self.keep]
+
+    def __exit__(self, *exc):
+        for g, params in zip(self.groups, self.saved):
+            g["params"] = params
