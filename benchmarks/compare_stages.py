@@ -48,7 +48,7 @@ SWEEP_WORLD_SIZES = [1, 2, 4]
 SWEEP_KINDS = ["ddp", "zero1", "zero2", "zero3"]
 PAPER_STAGE = {"ddp": 0, "ddp+zro": 1, "zero1": 1, "zero2": 2, "zero3": 3,
                "fsdp2-noreshard": 2, "fsdp2": 3, "zero3-offload": 3, "zero3-disk": 3,
-               "zero3-qwz": 3}
+               "zero3-qwz": 3, "zero3-qgz": 3}
 
 
 def measure(rank: int, n: int, kind: str, args) -> dict:
@@ -204,6 +204,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--frozen runs the fine-tuning model alone: leave out --sweep and --mixed-precision")
     if args.steps < 1 and not args.no_time:
         p.error("--steps must be >= 1 (or pass --no-time)")
+    if "zero3-qgz" in args.systems and (args.world_size < 4 or args.world_size % 2):
+        p.error(f"zero3-qgz plays nodes of 2 ranks and needs 2 nodes or more: pass "
+                f"--world-size 4 (or another even number >= 4), not {args.world_size}")
     if args.dim % HEADS and not args.frozen:
         p.error(f"--dim must be a multiple of the number of heads ({HEADS}), got {args.dim}")
     if args.device == "cuda":  # device_count, not is_available: it asks NVML, not CUDA, so

@@ -10,6 +10,10 @@ nodes, or the whole world (which spans nodes). Beside each measurement, the form
                                   the all-reduce of each rank's gradient shard: 2 (R-1)/R P/S
     hpZ (stage 3, S per node)     forward gathers and the reduce-scatter over all N; the
                                   backward all-gather within the node: (S-1)/S P
+    qgZ (stage 3, R x S)          ZeRO-3's gathers over all N; the reduce-scatter as two 4-bit
+                                  all-to-alls, per unit of nb blocks a shard (128 elements, 1/2
+                                  byte each and 4 bytes a scale: c = 64 nb + 4 nb bytes):
+                                  within the node (S-1)/S N c, across (R-1)/R R c
 
 (P: the padded parameters in bytes, fp32 here.) Then zerolab/cost.py turns each step's records
 into seconds on a cluster shaped like this run (2 GPUs a node) with DGX-like links, to show the
@@ -41,6 +45,7 @@ SYSTEMS = {  # name: (kind, System keywords)
     "HSDP-2": ("zero2", {"mesh_shape": (NODES, PER_NODE)}),
     "HSDP-3": ("zero3", {"mesh_shape": (NODES, PER_NODE)}),
     "hpZ": ("zero3", {"ranks_per_node": PER_NODE}),
+    "qgZ": ("zero3-qgz", {}),
 }
 CLUSTER = Cluster("2 GPUs a node, NVLink 450 GB/s, InfiniBand 50 GB/s a GPU", ranks_per_node=2,
                   intra_gbs=450, inter_gbs=50)
@@ -61,15 +66,21 @@ def _measure(rank, n, kind, kw):
     return {"by_group": by_group, "states": mt.category_peaks[torch.device("cpu")][MODEL_STATES],
             "time": step_time(records, CLUSTER), "losses": losses.tolist(),
             "padded": sum(u.layout.padded_numel for u in units),
-            "root": units[0].layout.padded_numel}
+            "root": units[0].layout.padded_numel, "shards": [u.layout.shard_numel for u in units]}
 
 
-def formula(name: str, padded: int, root: int) -> dict[str, float]:
+def formula(name: str, padded: int, root: int, shards: list[int]) -> dict[str, float]:
     """Bytes each rank sends per step, by group, for ``padded`` fp32 elements."""
     n, p = NODES * PER_NODE, 4 * padded
     ring = lambda k: (k - 1) / k  # noqa: E731
     stage = int(name[-1]) if name[-1].isdigit() else 3
     gathers = 2 if stage < 3 else 3 - root / padded  # stage 3 gathers again in backward
+    if name == "qgZ":
+        from zero.comm.quantized_gradients import BLOCK
+
+        c = sum(-(-s // BLOCK) * (BLOCK // 2 + 4) for s in shards)  # codes + scales a shard
+        return {"world": (gathers - 1) * ring(n) * p, "intra-node": ring(PER_NODE) * n * c,
+                "inter-node": ring(NODES) * NODES * c}
     if name.startswith("ZeRO"):
         return {"world": gathers * ring(n) * p}
     if name.startswith("HSDP"):
@@ -91,7 +102,7 @@ def main() -> None:
     print("| system | " + " | ".join(groups) + " | model states | predicted ms |")
     print("|---" * (len(groups) + 3) + "|")
     for name, r in rows.items():
-        want = formula(name, r["padded"], r["root"])
+        want = formula(name, r["padded"], r["root"], r["shards"])
         cells = [f"{r['by_group'].get(g, 0) / 1024:.1f} / {want.get(g, 0) / 1024:.1f}"
                  for g in groups]
         print(f"| {name} | " + " | ".join(cells) +

@@ -20,6 +20,11 @@ CATEGORIES = {  # our column: MemTracker's and FSDPMemTracker's category names
     "other": ("Buffer", "Temp", "Other", "Inputs"),
 }
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+ALL_TO_ALL = "all_to_all"  # qgZ's, a column only where a system sent some
+
+
+def ops_of(rows) -> tuple[str, ...]:
+    return OPS + ((ALL_TO_ALL,) if any(r["sent"].get(ALL_TO_ALL) for r in rows) else ())
 MIB = 2**20
 
 
@@ -57,14 +62,15 @@ def memory_table(rows, n, stage_of) -> list[str]:
 
 
 def traffic_table(rows, n, stage_of) -> list[str]:
-    out = ["| system | " + " | ".join(OPS) + " | total | measured / Ψ | paper / Ψ | our ledger |",
-           "|---" * (len(OPS) + 5) + "|"]
+    ops = ops_of(rows)
+    out = ["| system | " + " | ".join(ops) + " | total | measured / Ψ | paper / Ψ | our ledger |",
+           "|---" * (len(ops) + 5) + "|"]
     ring = (n - 1) / n
     for r in rows:
         per_psi = r["elements"] / (r["psi"] * ring) if ring else 0.0
         ledger = _mib(r["ledger"]) if r["kind"].startswith("zero") else "-"
         paper = traffic_in_psi(stage_of[r["kind"]])
-        out.append(f"| {r['kind']} | " + " | ".join(_mib(r["sent"].get(o, 0)) for o in OPS) +
+        out.append(f"| {r['kind']} | " + " | ".join(_mib(r["sent"].get(o, 0)) for o in ops) +
                    f" | {_mib(sum(r['sent'].values()))} | {per_psi:.3f} | {paper:.0f} | {ledger} |")
     return out
 
@@ -255,7 +261,7 @@ def _plot_stages(plt, rows, n, stage_of) -> None:
     axes[1].set_xticks(list(x), kinds)
     axes[1].set_title("model states (params + grads + optimizer), MiB")
     axes[1].legend(fontsize=8)
-    _stacked(axes[2], kinds, {op: [r["sent"].get(op, 0) / MIB for r in rows] for op in OPS})
+    _stacked(axes[2], kinds, {op: [r["sent"].get(op, 0) / MIB for r in rows] for op in ops_of(rows)})
     axes[2].set_title("bytes sent per rank per step (MiB)")
     if all(r["step_time"] for r in rows):
         axes[3].bar(kinds, [1000 * r["step_time"] for r in rows], color="gray")

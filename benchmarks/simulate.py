@@ -75,7 +75,8 @@ def simulate(params: float, world_size: int, stage: int, mixed_precision: bool =
     """One training step of rank ``rank`` of ``world_size``, on fake tensors; its memory, and
     the collectives it issued. ``hybrid``: "hsdp" (shard within a node of ``ranks_per_node``
     ranks, replicate across nodes) or "hpz" (stage 3, a secondary shard per node); or the rest
-    of the family: "offload" (the shards on the host) or "qwz" (int8 weight all-gathers)."""
+    of the family: "offload" (the shards on the host), "qwz" (int8 weight all-gathers) or "qgz"
+    (4-bit gradient reductions in two all-to-all hops, within and across nodes)."""
     cfg = gpt_config(params)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -84,6 +85,11 @@ def simulate(params: float, world_size: int, stage: int, mixed_precision: bool =
             kw = {"offload_policy": zero.CPUOffload(pin_memory=False)}
         elif hybrid == "qwz":
             kw = {"comm_policy": zero.QuantizedWeights()}
+        elif hybrid == "qgz":  # sharded over the world; the mesh says which ranks share a node
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world_size // ranks_per_node, ranks_per_node))
+            kw = {"comm_policy": zero.QuantizedGradients(mesh)}
         elif hybrid:  # a mesh of (nodes, ranks per node), made outside FakeTensorMode
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -177,7 +183,8 @@ def cluster_table(params: float, world_sizes, cluster: Cluster) -> list[str]:
     for n in world_sizes:
         runs = [("DDP", None, 0)] + [(f"ZeRO-{s}", None, s) for s in (1, 2, 3)]
         runs += [(f"HSDP-{s}", "hsdp", s) for s in (1, 2, 3)] + [("hpZ (ZeRO-3)", "hpz", 3)]
-        runs += [("ZeRO-3 + CPU offload", "offload", 3), ("ZeRO-3 + qwZ", "qwz", 3)]
+        runs += [("ZeRO-3 + CPU offload", "offload", 3), ("ZeRO-3 + disk offload", "disk", 3),
+                 ("ZeRO-3 + qwZ", "qwz", 3), ("ZeRO-3 + qgZ", "qgz", 3)]
         for name, hybrid, stage in runs:
             if stage == 0:  # DDP: one all-reduce of the bf16 gradients over every rank
                 cfg = gpt_config(params)
@@ -186,10 +193,15 @@ def cluster_table(params: float, world_sizes, cluster: Cluster) -> list[str]:
                 records = [Record("all_reduce", torch.bfloat16, 2 * psi,
                                   int(2 * 2 * psi * (n - 1) / n), "", "backward", 0.0, "world", n)]
             else:
-                r = simulate(params, n, stage, True, hybrid=hybrid,
+                r = simulate(params, n, stage, True, hybrid="offload" if hybrid == "disk" else hybrid,
                              ranks_per_node=cluster.ranks_per_node)
                 states, transient = r["model_state_bytes_per_rank"], r["transient_bytes_per_rank"]
                 records = [x for x in r["records"] if x.op != "agree"]
+                if hybrid == "disk":  # CPU offload's, and AdamW's two fp32 moments read and
+                    # written once a step (the fake tensors cannot go to a file: by the formula)
+                    moments = 8 * sum(shard for _, shard, _ in r["units"])
+                    records += [Record(op, torch.uint8, moments, 0, "", "step", 0.0, "disk", 1)
+                                for op in ("read", "write")]
             t = step_time(records, cluster)
             intra = sum(x.sent_bytes for x in records
                         if not crosses_nodes(x.group, x.ranks, cluster))

@@ -6,7 +6,8 @@ one layer a folder; no file imports one above it:
 - ``comm/`` the collectives: ``backend`` (the one place torch.distributed is called),
   ``ledger`` (every collective recorded), ``waits`` (every wait bounded), ``agree`` (ranks
   that diverge raise), ``collectives``, ``objects``, ``flat_collectives`` (how a unit's flat
-  buffers cross the ranks) and ``quantized`` (ZeRO++'s int8 weight gathers);
+  buffers cross the ranks) ``quantized`` (ZeRO++'s int8 weight gathers) and ``quantized_gradients`` (its 4-bit
+  gradient reduction by two all-to-alls);
 - ``core/`` the mechanism: ``state`` (a unit's two states), ``flat`` (the flat parameter),
   ``rows`` and ``whole`` (the other two layouts: FSDP2's, and whole parameters), ``stage`` (the policy table and every rule derived from it), ``tree``, ``grads`` (a unit's
   gradient), ``unit`` (its parameters: unshard / reshard), ``registry`` (who owns what),
@@ -27,6 +28,7 @@ from zero.checkpoint import load, save
 from zero.clip import clip_grad_norm_
 from zero.comm import CollectiveTimeout, Disagreement, Ledger
 from zero.comm.quantized import QuantizedWeights
+from zero.comm.quantized_gradients import QuantizedGradients
 from zero.controls import (
     reshard,
     set_modules_to_backward_prefetch,
@@ -52,6 +54,7 @@ __all__ = [
     "DiskOffload",
     "Ledger",
     "MixedPrecision",
+    "QuantizedGradients",
     "QuantizedWeights",
     "ShardedGradScaler",
     "clip_grad_norm_",

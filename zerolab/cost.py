@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "agree": 1}
+STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "agree": 1,
+         "all_to_all": 1}  # (p - 1 pairwise exchanges, (p - 1)/p of the buffer sent)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Cluster:
     inter_alpha_us: float = 10.0
     host_gbs: float = 25.0  # host <-> device, per GPU (PCIe 4 x16, about 25 GB/s each way)
     host_alpha_us: float = 10.0
+    disk_gbs: float = 3.0  # memory <-> a local NVMe drive, per GPU (a 4-drive RAID0 for 8 GPUs)
 
 
 def collective_time(op: str, sent_bytes: float, ranks: int, crosses_nodes: bool,
@@ -55,11 +57,14 @@ def crosses_nodes(group: str, ranks: int, cluster: Cluster) -> bool:
 
 def step_time(records, cluster: Cluster) -> dict[str, float]:
     """Seconds of communication per step, by group, and in total, from ledger records (a copy
-    between host and device, CPU offload's, at the host link's bandwidth: group "host")."""
+    between host and device, CPU offload's, at the host link's bandwidth: group "host"; disk
+    offload's reads and writes at the disk's: group "disk")."""
     out: dict[str, float] = {}
     for r in records:
         if r.op in ("h2d", "d2h"):
             t = cluster.host_alpha_us * 1e-6 + r.buffer_bytes / (cluster.host_gbs * 1e9)
+        elif r.op in ("read", "write"):
+            t = r.buffer_bytes / (cluster.disk_gbs * 1e9)
         else:
             t = collective_time(r.op, r.sent_bytes, r.ranks,
                                 crosses_nodes(r.group, r.ranks, cluster), cluster)

@@ -2,9 +2,9 @@
 
 ``CommBytes`` is torch's ``CommDebugMode`` (which counts c10d collectives as they pass the
 dispatcher) extended to add up the bytes each rank sends, with the same ring accounting as
-our ledger (zero/comm/ledger.py): (N-1)/N of the full buffer for an all-gather, a reduce-scatter
-or a broadcast (the average over ranks of a pipelined ring broadcast), 2(N-1)/N for an
-all-reduce. Our own collectives pass the same dispatcher, so for our stages ``CommBytes``
+our ledger (zero/comm/ledger.py), N the size of the collective's group: (N-1)/N of the full
+buffer for an all-gather, a reduce-scatter, an all-to-all or a broadcast (the average over
+ranks of a pipelined ring broadcast), 2(N-1)/N for an all-reduce. Our own collectives pass the same dispatcher, so for our stages ``CommBytes``
 and the ledger must agree: the benchmark checks that they do.
 """
 
@@ -36,7 +36,16 @@ _OPS = {
     c10d.allreduce_.default: ("all_reduce", 0, 2),
     c10d.allreduce_coalesced_.default: ("all_reduce", 0, 2),
     c10d.broadcast_.default: ("broadcast", 0, 1),
+    c10d.alltoall_base_.default: ("all_to_all", 1, 1),  # (each rank keeps its own chunk)
 }
+
+
+def _group_size(func, args, default: int) -> int:
+    """The size of the process group a c10d op runs on (its ``process_group`` argument)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "process_group" and i < len(args):
+            return dist.ProcessGroup.unbox(args[i]).size()
+    return default
 
 
 class CommBytes(CommDebugMode):
@@ -55,7 +64,8 @@ class CommBytes(CommDebugMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func in _OPS:
             name, arg, factor = _OPS[func]
-            ring = factor * (self.n - 1) / self.n
+            n = _group_size(func, args, self.n)  # (qgZ's all-to-alls run on a node, or across)
+            ring = factor * (n - 1) / n
             self.sent[name] += int(_size(args[arg], True) * ring)
             self.elements[name] += int(_size(args[arg], False) * ring)
             self.calls[name] += 1

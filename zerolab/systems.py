@@ -28,8 +28,9 @@ import zero
 KINDS = ("ddp", "ddp+zro", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
 # The rest of the ZeRO family, selectable by name (not in the default comparison): ZeRO-3 with
 # its shards on the host (ZeRO-Offload), its optimizer state in files too (ZeRO-Infinity's
-# disk tier), and with int8 weight all-gathers (ZeRO++'s qwZ).
-FAMILY = ("zero3-offload", "zero3-disk", "zero3-qwz")
+# disk tier), with int8 weight all-gathers (ZeRO++'s qwZ), and with 4-bit gradient
+# reductions by two all-to-alls over nodes of two ranks (ZeRO++'s qgZ; 4 ranks or more).
+FAMILY = ("zero3-offload", "zero3-disk", "zero3-qwz", "zero3-qgz")
 
 
 def stage_of(kind: str) -> int:
@@ -135,6 +136,15 @@ class System:
                 hybrid["offload_policy"] = zero.CPUOffload()
             if kind == "zero3-disk":  # (the store makes, and removes, its own directory)
                 hybrid["offload_policy"] = zero.DiskOffload(tempfile.gettempdir())
+            if kind == "zero3-qgz":
+                from torch.distributed.device_mesh import init_device_mesh
+
+                n = dist.get_world_size()
+                if n < 4 or n % 2:
+                    raise ValueError(f"zero3-qgz plays nodes of 2 ranks and needs 2 nodes or "
+                                     f"more: an even world size of 4 or more, not {n}")
+                hybrid["comm_policy"] = zero.QuantizedGradients(
+                    init_device_mesh(device, (n // 2, 2)))
             if kind == "zero3-qwz":
                 hybrid["comm_policy"] = zero.QuantizedWeights()
             if wrap != "units":

@@ -57,6 +57,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group, as
     return _reduce_scatter_flat(output, input, op=OPS[op], group=group, async_op=async_op)
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    """(N*C,) per rank -> (N*C,): chunk s of rank r's input lands as chunk r of rank s's output."""
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
 def all_reduce(tensor: torch.Tensor, op: str, group, async_op: bool):
     return dist.all_reduce(tensor, op=OPS[op], group=group, async_op=async_op)
 

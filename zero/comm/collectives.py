@@ -81,6 +81,17 @@ def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other
                   lambda: backend.reduce_scatter(output, input, op, group, async_op=True))
 
 
+def all_to_all(output, input, *, group=None, unit="", phase="other", async_op=False):
+    """(N * chunk,) on every rank -> (N * chunk,): rank r's chunk s goes to rank s, as chunk r.
+    Each rank keeps one chunk of its own and sends the other (N-1)/N."""
+    if backend.alone(group):
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _done(async_op)
+    return _issue("all_to_all", input, 1.0, group, unit, phase, async_op,
+                  lambda: backend.all_to_all(output, input, group, async_op=True))
+
+
 def all_reduce(tensor, *, op="sum", group=None, unit="", phase="other", async_op=False):
     """Any shape -> the same shape, reduced over ranks (``op`` in "sum", "avg", "max"), in place."""
     if backend.alone(group):

@@ -31,8 +31,9 @@ from zero.comm import backend
 class Record:
     """One collective as seen by this rank."""
 
-    op: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast", "agree"; or a copy
-    #          between host and device, "h2d" or "d2h" (CPU offload), which sends nothing
+    op: str  # "all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "agree";
+    #          or a copy between host and device, "h2d" or "d2h" (CPU offload), or between
+    #          memory and disk, "read" or "write" (disk offload), which send nothing
     dtype: torch.dtype
     buffer_bytes: int  # size of the full (unsharded) buffer
     sent_bytes: int  # what this rank sends under ring accounting
@@ -118,12 +119,14 @@ def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str,
 
 
 def record_copy(kind: str, tensor: torch.Tensor, unit: str, phase: str) -> Record | None:
-    """Note a copy between host and device (``kind`` "h2d" or "d2h"): bytes moved, none sent."""
+    """Note a copy between host and device (``kind`` "h2d" or "d2h") or between memory and
+    disk ("read", "write"): bytes moved, none sent."""
     if not _ACTIVE:
         return None
     nbytes = tensor.numel() * tensor.element_size()
     now = time.perf_counter()
-    rec = Record(kind, tensor.dtype, nbytes, 0, unit, phase, now, "host", 1, done=now)
+    where = "disk" if kind in ("read", "write") else "host"
+    rec = Record(kind, tensor.dtype, nbytes, 0, unit, phase, now, where, 1, done=now)
     for ledger in _ACTIVE:
         ledger.records.append(rec)
         if ledger.on_record is not None:

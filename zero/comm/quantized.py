@@ -29,6 +29,30 @@ from zero.comm.flat_collectives import FlatCollectives
 BLOCK = 256  # elements per scale (ours; DeepSpeed's qwZ groups by a similar fixed size)
 
 
+def quantize_rows(x: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric block quantization of each row: (R, L) -> (R, nb*B) int8 in [-levels, levels]
+    and (R, nb) fp32 scales (a block's largest magnitude over ``levels``; 1 for a block of
+    zeros), each row's last block padded with zeros. ``q * scale`` is within half a scale."""
+    rows, length = x.shape
+    nb = -(-length // block)
+    if length % block == 0:
+        padded = x.float()  # (no copy of an fp32 tensor: nothing below writes into it)
+    else:
+        padded = torch.zeros(rows, nb * block, dtype=torch.float32, device=x.device)
+        padded[:, :length] = x
+    blocks = padded.reshape(rows, nb, block)
+    scale = blocks.abs().amax(dim=2) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block
+    q = torch.round(blocks / scale[:, :, None]).clamp_(-levels, levels).to(torch.int8)
+    return q.view(rows, -1), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, length: int) -> torch.Tensor:
+    """(R, nb*B) int8 and (R, nb) scales -> (R, length) fp32."""
+    rows, nb = scale.shape
+    return (q.view(rows, nb, -1).float() * scale[:, :, None]).view(rows, -1)[:, :length]
+
+
 class QuantizedWeights(FlatCollectives):
     """qwZ: int8 block-quantized all-gather; the reduce-scatter as ``FlatCollectives``'."""
 
@@ -44,14 +68,8 @@ class QuantizedWeights(FlatCollectives):
 
     def quantize(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(S,) -> (nb*B,) int8 and (nb,) fp32 scales, the last block padded with zeros."""
-        nb = -(-shard.numel() // self.block)
-        x = torch.zeros(nb * self.block, dtype=torch.float32, device=shard.device)
-        x[: shard.numel()] = shard
-        blocks = x.view(nb, self.block)
-        scale = blocks.abs().amax(dim=1) / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block
-        q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return q.view(-1), scale
+        q, scale = quantize_rows(shard.view(1, -1), self.block, levels=127)
+        return q.view(-1), scale.view(-1)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
                    in_place: bool, group, unit: str, phase: str):
@@ -81,6 +99,6 @@ class _Dequantized:
         for w in self.works:
             w.wait()
         n, size = self.n, self.size
-        values = self.qs.view(n, -1, self.block).float() * self.scales.view(n, -1, 1)
-        self.full.view(n, size).copy_(values.view(n, -1)[:, :size])  # (cast to param dtype)
+        values = dequantize_rows(self.qs.view(n, -1), self.scales.view(n, -1), size)
+        self.full.view(n, size).copy_(values)  # (cast to param dtype)
         self.qs = self.scales = None
