@@ -168,3 +168,24 @@ def test_gloo_reduce_scatter_still_ignores_the_wait_timeout():
     """Why waits.py waits for gloo's reduce-scatter on a helper thread: its own wait(timeout)
     returns only when the collective completes. If this fails, torch fixed it: drop _IGNORED."""
     assert run_ranks(_raw_reduce_scatter_wait, 2, timeout=30)[0] > 1.5
+
+
+def _no_thread_for_the_wait(rank, n):
+    import threading
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    threading.Thread.start = refuse  # (a forked rank: nothing else runs threads after this)
+    try:
+        comm.reduce_scatter(torch.empty(2), torch.ones(4), unit="u", phase="backward")
+    except RuntimeError as e:
+        return type(e).__name__, str(e)
+    return "returned", ""
+
+
+def test_a_wait_that_cannot_be_bounded_is_not_reported_as_a_timeout():
+    """gloo's reduce-scatter is waited for on a helper thread; when none can start (no memory),
+    that is the error, not 'the other ranks never joined' (which they did, at once)."""
+    for kind, message in run_ranks(_no_thread_for_the_wait, 2):
+        assert kind != "CollectiveTimeout" and "can't start new thread" in message, message

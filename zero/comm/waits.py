@@ -74,9 +74,11 @@ def wait(work, name: str, group, op: str = "", always: bool = False):
     kind, seconds = backend.name(group), timeout_seconds()
     if seconds <= 0 or not (always or kind in _BOUNDED):
         return work.wait()
+    # (a helper that cannot start, for want of memory, is that error, not a timeout)
+    helper = _Helper(work) if (kind, op) in _IGNORED else None
     try:
-        if (kind, op) in _IGNORED:
-            return _wait_on_a_thread(work, seconds)
+        if helper is not None:
+            return helper.wait(seconds)
         return work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
         _expired.append(name)
@@ -91,21 +93,24 @@ def wait(work, name: str, group, op: str = "", always: bool = False):
             f"checkpoint alone: then set ZERO_TIMEOUT above {seconds:.0f} s. ({e})") from e
 
 
-def _wait_on_a_thread(work, seconds: float):
-    """``work.wait()`` on a helper thread, this one waiting at most ``seconds`` for it. On
+class _Helper:
+    """``work.wait()`` on a helper thread, which the caller waits for at most ``seconds``. On
     expiry the helper stays blocked (a daemon); the process group is broken by then anyway."""
-    done, outcome = threading.Event(), {}
 
-    def run():
+    def __init__(self, work):
+        self.done, self.outcome = threading.Event(), {}
+        threading.Thread(target=self._run, args=(work,), daemon=True, name="zero-wait").start()
+
+    def _run(self, work) -> None:
         try:
-            outcome["value"] = work.wait()
+            self.outcome["value"] = work.wait()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            outcome["error"] = e
-        done.set()
+            self.outcome["error"] = e
+        self.done.set()
 
-    threading.Thread(target=run, daemon=True, name="zero-wait").start()
-    if not done.wait(seconds):
-        raise RuntimeError(f"no reply within {seconds:.0f} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    def wait(self, seconds: float):
+        if not self.done.wait(seconds):
+            raise RuntimeError(f"no reply within {seconds:.0f} s")
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return self.outcome["value"]
