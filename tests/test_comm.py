@@ -128,6 +128,7 @@ def _alone_in(rank, n, op):
         "reduce_scatter": lambda: comm.reduce_scatter(torch.empty(2), x, unit="u",
                                                       phase="backward", async_op=True).wait(),
         "all_reduce": lambda: comm.all_reduce(x, unit="u", phase="step"),
+        "all_to_all": lambda: comm.all_to_all(torch.empty(4), x, unit="u", phase="backward"),
         "broadcast": lambda: comm.broadcast(x, unit="u", phase="forward"),
         "agree": lambda: comm.agree("do something"),
         "all_gather_object": lambda: comm.all_gather_object({"a": 1}),
@@ -141,8 +142,9 @@ def _alone_in(rank, n, op):
 
 
 @pytest.mark.parametrize("op", sample(  # gloo's three ways to wait: timeout, thread, objects
-    ["all_gather", "reduce_scatter", "all_gather_object"],
-    ["all_gather", "reduce_scatter", "all_reduce", "broadcast", "agree", "all_gather_object"]))
+    ["all_gather", "reduce_scatter", "all_to_all", "all_gather_object"],
+    ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "agree",
+     "all_gather_object"]))
 def test_a_rank_alone_in_a_collective_raises_within_zero_timeout(op):
     kind, message, seconds = run_ranks(_alone_in, 2, op, timeout=30)[0]
     assert issubclass(getattr(comm, kind), comm.CollectiveTimeout), (kind, message)

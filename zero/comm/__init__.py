@@ -13,12 +13,12 @@ Nothing here knows about units, stages or modules: the mechanism (``zero/core``)
 
 from zero.comm.agree import AgreementTimeout, Disagreement, agree, checking, raising_together
 from zero.comm.backend import default_device, simulated
-from zero.comm.collectives import (all_gather, all_gather_object, all_reduce, broadcast,
-                                   reduce_scatter)
+from zero.comm.collectives import (all_gather, all_gather_object, all_reduce, all_to_all,
+                                   broadcast, reduce_scatter)
 from zero.comm.ledger import Ledger, Record, group_name, name_group
 from zero.comm.waits import CollectiveTimeout
 
 __all__ = ["AgreementTimeout", "CollectiveTimeout", "Disagreement", "Ledger", "Record", "agree",
-           "all_gather", "all_gather_object", "all_reduce", "broadcast", "checking",
+           "all_gather", "all_gather_object", "all_reduce", "all_to_all", "broadcast", "checking",
            "default_device", "group_name", "name_group", "raising_together", "reduce_scatter",
            "simulated"]

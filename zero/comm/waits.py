@@ -15,8 +15,8 @@ A job that legitimately keeps ranks apart for longer sets ``ZERO_TIMEOUT``; ``ZE
 removes the bound (waits as torch does, until the process group's timeout).
 
 The bound costs no collective: it is a timeout on the wait itself. gloo honours
-``Work.wait(timeout)`` (it raises "Operation timed out") for its all-gather, all-reduce and
-broadcast, but not for its reduce-scatter, whose handle also has no future and never reports
+``Work.wait(timeout)`` (it raises "Operation timed out") for its all-gather, all-reduce,
+all-to-all and broadcast, but not for its reduce-scatter, whose handle also has no future and never reports
 ``is_completed()`` (torch 2.13): that one is waited for on a helper thread while this one waits
 for it with a bound (``_IGNORED``; tests/test_comm.py checks that it still needs it). NCCL's
 ``wait(timeout)`` instead
