@@ -105,8 +105,19 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "with_comm_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES_AND_COMM, 0),
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_time": statistics.median(times) if times else None,
+        "disk": _disk_store(system.opt),
         **_schedule(kind, system, n, args),
     }
+
+
+def _disk_store(opt) -> dict | None:
+    """Disk offload's own count of the optimizer state it held at once, and what it moves a
+    step: its buffers are made on its I/O thread, where MemTracker (one thread's) is blind."""
+    stores = zero.disk_offload.stores_of(opt)
+    if not stores:
+        return None
+    return {"held": max(s.peak_bytes for s in stores),
+            "moved": sum(sum(s.sizes.values()) for s in stores)}
 
 
 def _schedule(kind, system, n, args) -> dict:

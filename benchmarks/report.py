@@ -205,6 +205,13 @@ def write(rows, args, argv, stage_of) -> None:
                      "gradient storage itself: \"+ comm buffers\" compares the two alike.", "",
                      *targets]
         body += ["", loss_check(rows)]
+        for r in rows:
+            if r.get("disk"):
+                body += ["", f"{r['kind']}: MemTracker does not see the optimizer state in "
+                         f"memory during the step (disk offload makes its buffers on its own I/O "
+                         f"thread); the store counts {_mib(r['disk']['held'])} MiB held at once "
+                         f"at most, and {_mib(r['disk']['moved'])} MiB read and as much written "
+                         "a step."]
         if bad := {r["kind"]: r["unaccounted"] for r in rows if r["unaccounted"]}:
             body += ["", f"Collectives not accounted in bytes: {bad}"]
     text = "\n".join(head + body) + "\n"

@@ -8,16 +8,18 @@ the cluster's two levels, and sums in fp32 between them. With N = n nodes x g ra
 (a 2-D mesh, rank i*g + j on node i), shard k of the flat gradient belonging to rank k::
 
     grad (N*S,)  viewed (n, g, S)          [node i', local j', element]
-    reorder      (g, n, S)                 chunk j' = the n shards owned by local rank j'
-    hop 1        all-to-all in the node    4-bit blocks + fp32 scales: local rank j gets
-                                           every local rank's n shards {i'*g + j}
-    sum          (g, n, S) -> (n, S)       dequantized, summed in fp32: the node's part
+    encode       g messages                message j' = the n shards local rank j' owns,
+                                           4-bit blocks and their fp32 scales, as bytes
+    hop 1        all-to-all in the node    local rank j gets every local rank's message j
+    sum          g x (n, S) -> (n, S)      dequantized, summed in fp32: the node's part
     hop 2        all-to-all across nodes   4-bit again: node i' gets row i' (shard i'*g + j)
-    sum          (n, S) -> (S,)            dequantized, summed: this rank's shard, / N for avg
+    sum          n x (S,) -> (S,)          dequantized, summed: this rank's shard, / N for avg
 
 Bytes each rank sends, with nb = ceil(S/B) blocks a shard (B elements a scale, 1/2 byte an
-element): within the node (g-1)/g x N*(nb*B/2 + 4*nb), across nodes (n-1)/n x n*(nb*B/2 +
-4*nb), against (N-1)/N x 4*N*S for an fp32 reduce-scatter. Across nodes that is a node's g
+element), one all-to-all a hop: within the node (g-1)/g x N*(nb*B/2 + 4*nb), across nodes
+(n-1)/n x n*(nb*B/2 + 4*nb), against (N-1)/N x 4*N*S for an fp32 reduce-scatter. While it
+runs a unit holds its full gradient, its g messages (1/8 of an fp32 gradient, and the
+scales) and one chunk's working copy (1/g of the gradient). Across nodes that is a node's g
 ranks sending M/4 in all, M the fp16 gradient's bytes (the paper's 0.25M), less (n-1)/n, plus
 the scales. Error: symmetric 4-bit (levels -7..7) is within half a step, a block's largest
 magnitude over 14, at each hop; so each element of the sum is within (sum over ranks of the
@@ -85,13 +87,23 @@ class QuantizedGradients(FlatCollectives):
     def all_gather(self, *args, **kwargs):
         return self.weights.all_gather(*args, **kwargs)
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, S) -> (R, nb*B/2) uint8, two 4-bit codes a byte, and (R, nb) fp32 scales."""
-        q, scale = quantize_rows(x, self.block, LEVELS)
-        return pack(q), scale
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """(R, S) -> one message of bytes: each row's 4-bit codes (two a byte), then its fp32
+        scales, row after row: (R * (nb*B/2 + 4*nb),) uint8."""
+        q, scale = quantize_rows(rows, self.block, LEVELS)
+        r = rows.shape[0]
+        return torch.cat([pack(q), scale.view(torch.uint8).view(r, -1)], dim=1).view(-1)
 
-    def dequantize(self, packed: torch.Tensor, scale: torch.Tensor, size: int) -> torch.Tensor:
-        return dequantize_rows(unpack(packed), scale, size)
+    def decode(self, message: torch.Tensor, r: int, size: int) -> torch.Tensor:
+        """A message of ``r`` rows -> (r, size) fp32."""
+        nb = -(-size // self.block)
+        rows = message.view(r, -1)
+        codes, scales = rows[:, : nb * self.block // 2], rows[:, nb * self.block // 2:]
+        return dequantize_rows(unpack(codes), scales.contiguous().view(torch.float32), size)
+
+    def message_bytes(self, r: int, size: int) -> int:
+        nb = -(-size // self.block)
+        return r * (nb * self.block // 2 + 4 * nb)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
                        phase: str):
@@ -105,45 +117,39 @@ class QuantizedGradients(FlatCollectives):
         if op not in ("sum", "avg"):
             raise ValueError(f"QuantizedGradients reduces by sum or avg, not {op!r}")
         size = grad.numel() // (n * g)
-        # [node i', local j', element] -> [local j', node i', element]: chunk j' is contiguous
-        rows = grad.view(n, g, size).transpose(0, 1).reshape(g * n, size).float()
-        q, scale = self.quantize(rows)
-        works = _exchange(q, scale, self.intra, unit, phase)
-        return _SecondHop(self, works, grad, slot, size, op, n * g, unit, phase)
-
-
-def _exchange(q, scale, group, unit, phase):
-    """Both all-to-alls in flight: (received codes, received scales, their handles)."""
-    q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
-    w1 = collectives.all_to_all(q_in.view(-1), q.view(-1), group=group, unit=unit, phase=phase,
-                                async_op=True)
-    w2 = collectives.all_to_all(s_in.view(-1), scale.view(-1), group=group, unit=unit,
-                                phase=phase, async_op=True)
-    return q_in, s_in, (w1, w2)
+        shards = grad.view(n, g, size)  # [node i', local j', element]: shard i'*g + j'
+        send = torch.empty(g, self.message_bytes(n, size), dtype=torch.uint8, device=grad.device)
+        for j in range(g):  # to local rank j: the n shards it owns (one chunk at a time, so
+            send[j] = self.encode(shards[:, j, :])  # that no copy of the whole gradient is made)
+        recv = torch.empty_like(send)
+        work = collectives.all_to_all(recv.view(-1), send.view(-1), group=self.intra, unit=unit,
+                                      phase=phase, async_op=True)
+        return _SecondHop(self, work, recv, grad, slot, size, op, unit, phase)
 
 
 class _SecondHop:
     """Hop 1 in flight; ``wait()`` sums it, runs hop 2, and leaves the shard in ``grad[slot]``."""
 
-    def __init__(self, policy, works, grad, slot, size, op, world, unit, phase):
-        self.policy, self.works, self.grad, self.slot = policy, works, grad, slot
-        self.size, self.op, self.world, self.unit, self.phase = size, op, world, unit, phase
+    def __init__(self, policy, work, recv, grad, slot, size, op, unit, phase):
+        self.policy, self.work, self.recv, self.grad, self.slot = policy, work, recv, grad, slot
+        self.size, self.op, self.unit, self.phase = size, op, unit, phase
 
     def wait(self):
         p, size = self.policy, self.size
         n, g = p.nodes, p.per_node
-        q_in, s_in, works = self.works
-        for w in works:
-            w.wait()
-        # From each local rank, its n shards {i'*g + j} (ours among them): the node's part of
-        # each, summed in fp32 in local-rank order, the same on every rank.
-        node_part = p.dequantize(q_in, s_in, size).view(g, n, size).sum(dim=0)
-        q2, s2 = p.quantize(node_part)
-        q2_in, s2_in, works = _exchange(q2, s2, p.inter, self.unit, self.phase)
-        for w in works:
-            w.wait()
-        total = p.dequantize(q2_in, s2_in, size).sum(dim=0)  # every node's part of our shard
+        self.work.wait()
+        # From each local rank, its part of our n shards {i'*g + j}: the node's sum of each,
+        # in fp32, added in local-rank order.
+        node_part = torch.zeros(n, size, dtype=torch.float32, device=self.grad.device)
+        for j in range(g):
+            node_part += p.decode(self.recv[j], n, size)
+        send = p.encode(node_part)  # row i' (shard i'*g + j) to node i'
+        recv = torch.empty_like(send)
+        collectives.all_to_all(recv, send, group=p.inter, unit=self.unit, phase=self.phase)
+        total = torch.zeros(size, dtype=torch.float32, device=self.grad.device)
+        for part in recv.view(n, -1):  # every node's part of our shard, in node order
+            total += p.decode(part, 1, size)[0]
         if self.op == "avg":
-            total /= self.world
+            total /= n * g
         self.grad[self.slot].copy_(total)
-        self.works = self.grad = None
+        self.work = self.recv = self.grad = None
