@@ -170,3 +170,41 @@ def test_disk_offload_trains_under_a_memory_limit_the_in_memory_run_exceeds():
         assert disk["params_sha256"] == ref["params_sha256"]  # bitwise the unlimited run
         assert disk["held"] <= 2 * disk["state"] / 8  # two units' state at most
     assert any("can't allocate memory" in mem["error"] for mem in in_memory["ranks"])
+
+
+def _with_ignored(rank, n, directory):
+    """A parameter left whole (ignored_params) is stepped by the call itself, in memory."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    offload = zero.DiskOffload(os.path.join(directory, f"r{rank}")) if directory else None
+    zero.shard(model[0], stage=3, offload_policy=offload)
+    zero.shard(model, stage=3, offload_policy=offload, ignored_params={model[1].bias})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    in_memory = sorted(k for p, st in opt.state.items() for k in st)  # the ignored one's only
+    return zero.full_state_dict(model), model[1].bias.detach().clone(), in_memory
+
+
+def test_parameters_outside_the_units_are_stepped_in_memory(tmp_path):
+    plain = run_ranks(_with_ignored, 2, None)
+    disk = run_ranks(_with_ignored, 2, str(tmp_path))
+    for (p0, b0, _), (p1, b1, state) in zip(plain, disk):
+        assert all(torch.equal(p0[k], p1[k]) for k in p0) and torch.equal(b0, b1)
+        assert state == ["exp_avg", "exp_avg_sq", "step"]  # the ignored bias, in memory
+
+
+def _rows(rank, n, directory):
+    try:
+        zero.shard(GPT(GPTConfig()), stage=3, layout="rows",
+                   offload_policy=zero.DiskOffload(directory))
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_layout_rows_is_refused(tmp_path):
+    assert "does not support layout='rows'" in run_ranks(_rows, 2, str(tmp_path))[0]

@@ -68,6 +68,12 @@ class DiskOffload(CPUOffload):
     def __hash__(self) -> int:
         return hash((DiskOffload, self.directory, self.pin_memory))
 
+    def check(self, layout) -> None:
+        if layout.name == "rows":  # (its state is DTensors: the buffers would need wrapping)
+            raise ValueError("DiskOffload does not support layout='rows' yet (the optimizer "
+                             "state of DTensor parameters is DTensors): use layout='flat' or "
+                             "'whole', or CPUOffload with 'rows'")
+
     def store(self, optimizer) -> "StateStore":
         """The optimizer's store of state files (made at its first step)."""
         stores = optimizer.__dict__.setdefault("_zero_disk_stores", {})

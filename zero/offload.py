@@ -41,6 +41,9 @@ class CPUOffload:
         """Where the shards live."""
         return torch.device("cpu")
 
+    def check(self, layout) -> None:
+        """Raise if this policy cannot serve units of ``layout`` (a ``zero.policies`` layout)."""
+
     def pinned(self, compute: torch.device) -> bool:
         return self.pin_memory and compute.type != "cpu"
 

@@ -144,6 +144,8 @@ def shard(
                              "keep their full parameters, so backward gathers nothing")
         device = _device(modules[0], group, device)
         layout = layout_class(layout)
+        if offload_policy is not None:
+            offload_policy.check(layout)
         if layout.copies and secondary_group is not None:
             raise ValueError(f"layout={layout.name!r} is not supported with hpZ (a "
                              "secondary_group) yet: use layout='flat' there")

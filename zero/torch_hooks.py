@@ -19,7 +19,6 @@ results; each way in gets a hook that either does the right thing or raises, nam
 from __future__ import annotations
 
 import contextlib
-import copy
 from functools import partial
 
 import torch
@@ -113,8 +112,9 @@ def _step_from_disk(optimizer, units, args, kwargs):
             f"zero knows ({sorted(ELEMENTWISE)}). Use CPUOffload with it")
     if len(args) > 1 or kwargs:
         raise ValueError(
-            "opt.step(closure) with DiskOffload: the step runs once per unit, and the closure "
-            "would be evaluated each time. Compute the loss and backward first, then opt.step()")
+            "opt.step(closure) (or with other arguments) under DiskOffload: the step runs once "
+            "per unit, and a closure would be evaluated each time. Compute the loss and "
+            "backward first, then call opt.step()")
     policies = {u.offload for u in units}
     if len(policies) > 1:
         raise ValueError(f"one optimizer over units with different DiskOffload policies "
@@ -124,7 +124,8 @@ def _step_from_disk(optimizer, units, args, kwargs):
               for u in units]
     on_disk = {id(p) for _, params in pieces for p in params}
     policies.pop().store(optimizer).step(optimizer, pieces, lambda: own_step(optimizer))
-    stand_in = copy.copy(optimizer)  # (the same state; groups of the rest of the parameters)
+    stand_in = object.__new__(type(optimizer))  # the same attributes and state, and groups of
+    stand_in.__dict__.update(optimizer.__dict__)  # the rest of the parameters
     stand_in.param_groups = [{**g, "params": [p for p in g["params"] if id(p) not in on_disk]}
                              for g in groups]
     return (stand_in, *args[1:]), kwargs
