@@ -38,10 +38,15 @@ CASES = [  # (script, argv, the message after "error: ")
     ("compare_stages", ["--steps", "0"], "--steps must be >= 1 (or pass --no-time)"),
     ("compare_stages", ["--systems", "zero4"],
      "argument --systems: must be a comma list of distinct values from ddp, ddp+zro, zero1, "
-     "zero2, zero3, fsdp2-noreshard, fsdp2, zero3-offload, zero3-qwz, got 'zero4'"),
+     "zero2, zero3, fsdp2-noreshard, fsdp2, zero3-offload, zero3-disk, zero3-qwz, zero3-qgz, "
+     "got 'zero4'"),
     ("compare_stages", ["--systems", "ddp,ddp"],
      "argument --systems: must be a comma list of distinct values from ddp, ddp+zro, zero1, "
-     "zero2, zero3, fsdp2-noreshard, fsdp2, zero3-offload, zero3-qwz, got 'ddp,ddp'"),
+     "zero2, zero3, fsdp2-noreshard, fsdp2, zero3-offload, zero3-disk, zero3-qwz, zero3-qgz, "
+     "got 'ddp,ddp'"),
+    ("compare_stages", ["--systems", "zero3-qgz"],
+     "zero3-qgz plays nodes of 2 ranks and needs 2 nodes or more: pass --world-size 4 (or "
+     "another even number >= 4), not 2"),
     ("compare_stages", ["--device", "tpu"],
      "argument --device: invalid choice: 'tpu' (choose from 'cpu', 'cuda')"),
     ("compare_stages", ["--out", "{tmp}"],
