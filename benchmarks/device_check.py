@@ -11,7 +11,8 @@ and until it has run there, the CUDA path is untested. What it checks:
    DDP (fp32, bitwise at world size 2), or the error gloo gives;
 3. the stage comparison at a size that fills a few GiB (world size 1): peak device memory and
    median step time per stage;
-4. CPU offload: ZeRO-3's peak device memory with the shards on the host, against without.
+4. CPU offload: ZeRO-3's peak device memory with the shards on the host, against without;
+   and disk offload's (the optimizer state in files, the step on the host).
 
 Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
 runs the same code on the CPU with gloo and the small model (tests/test_device_check.py), so
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
 
     def stages():
         out = []
-        for kind in ("zero1", "zero2", "zero3", "zero3-offload"):
+        for kind in ("zero1", "zero2", "zero3", "zero3-offload", "zero3-disk"):
             peak, step = run_ranks(memory_and_time, 1, kind, backend=_backend(), timeout=240)[0]
             peaks[kind] = peak
             out.append((f"{kind}, {'the small GPT' if DRY['on'] else '0.45B params'} "
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
                         f"peak {peak / 2**30:.2f} GiB, step {1e3 * step:.0f} ms"))
         ratio = peaks["zero3-offload"] / peaks["zero3"] if peaks["zero3"] else float("nan")
         out.append(("CPU offload: ZeRO-3 peak device memory / without", f"{ratio:.3f}"))
+        ratio = peaks["zero3-disk"] / peaks["zero3"] if peaks["zero3"] else float("nan")
+        out.append(("disk offload: ZeRO-3 peak device memory / without", f"{ratio:.3f}"))
         return out
 
     check("the stage comparison", stages)
