@@ -56,8 +56,8 @@ def test_every_gathered_weight_is_within_half_a_step_and_bytes_are_the_formula(b
         expected = []
         for s in shard_sizes:
             nb = -(-s // block)
-            expected.append((torch.int8, n * nb * block, (n - 1) * nb * block))
-            expected.append((torch.float32, 4 * n * nb, (n - 1) * 4 * nb))
+            message = nb * block + 4 * nb  # bytes a rank: a code an element, 4 a block's scale
+            expected.append((torch.uint8, n * message, (n - 1) * message))
         assert gathers == expected
 
 

@@ -6,7 +6,8 @@ element in bf16). qwZ quantizes each rank's shard before the all-gather, block b
 (symmetric int8: a block's scale is its largest magnitude over 127), sends 1 byte an element
 plus one fp32 scale per block, and dequantizes after::
 
-    shard (S,) fp32 -> q (S,) int8 + scales (S/B,) fp32 -> all-gather both -> full (N*S,)
+    shard (S,) fp32 -> q (S,) int8 + scales (S/B,) fp32 -> one message of bytes a rank
+                    -> all-gather -> full (N*S,)
 
 Only what is sent is lossy: the fp32 master shard, the gradients and the optimizer step are
 untouched; every rank computes with the same dequantized weights (its own shard's too). Each
@@ -79,26 +80,27 @@ class QuantizedWeights(FlatCollectives):
                              "(stage 3, or stages 1/2 with mp_policy)")
         q, scale = self.quantize(shard)
         n = full.numel() // shard.numel() if shard.numel() else 1
-        qs = q.new_empty(n * q.numel())
-        scales = scale.new_empty(n * scale.numel())
-        # (nb*B,) int8 per rank -> (N*nb*B,); (nb,) fp32 per rank -> (N*nb,)
-        w1 = collectives.all_gather(qs, q, group=group, unit=unit, phase=phase, async_op=True)
-        w2 = collectives.all_gather(scales, scale, group=group, unit=unit, phase=phase,
-                                    async_op=True)
-        return _Dequantized((w1, w2), qs, scales, full, n, shard.numel(), self.block)
+        # One message a rank, its codes then its scales as bytes: (nb*B + 4*nb,) per rank ->
+        # (N, nb*B + 4*nb), one all-gather (one ring's latency, not two)
+        message = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
+        gathered = message.new_empty(n, message.numel())
+        work = collectives.all_gather(gathered.view(-1), message, group=group, unit=unit,
+                                      phase=phase, async_op=True)
+        return _Dequantized(work, gathered, full, n, shard.numel(), q.numel())
 
 
 class _Dequantized:
-    """Both all-gathers in flight; ``wait()`` dequantizes into the full buffer."""
+    """The all-gather in flight; ``wait()`` dequantizes into the full buffer."""
 
-    def __init__(self, works, qs, scales, full, n: int, size: int, block: int):
-        self.works, self.qs, self.scales, self.full = works, qs, scales, full
-        self.n, self.size, self.block = n, size, block
+    def __init__(self, work, gathered, full, n: int, size: int, codes: int):
+        self.work, self.gathered, self.full = work, gathered, full
+        self.n, self.size, self.codes = n, size, codes
 
     def wait(self):
-        for w in self.works:
-            w.wait()
-        n, size = self.n, self.size
-        values = dequantize_rows(self.qs.view(n, -1), self.scales.view(n, -1), size)
-        self.full.view(n, size).copy_(values)  # (cast to param dtype)
-        self.qs = self.scales = None
+        self.work.wait()
+        rows = self.gathered
+        codes = rows[:, : self.codes].view(torch.int8)
+        scales = rows[:, self.codes:].contiguous().view(torch.float32)
+        values = dequantize_rows(codes, scales, self.size)
+        self.full.view(self.n, self.size).copy_(values)  # (cast to param dtype)
+        self.gathered = None
