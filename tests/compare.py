@@ -100,6 +100,22 @@ class Tanh(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+def train_steps(model, opt, rank: int, steps: int, first: int = 0):
+    """``steps`` steps of a ``zerolab.models`` model on this rank's batches (seeded by step and
+    rank, 4 sequences); each step's loss and its ledger."""
+    losses, ledgers = [], []
+    for s in range(first, first + steps):
+        x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
+        with zero.Ledger() as ledger:
+            loss = model.loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach())
+        ledgers.append(ledger)
+    return losses, ledgers
+
+
 def train_and_diff(rank, steps, systems, step=None):
     """Step every system; return what differs from systems[0] after each step."""
     failures = []

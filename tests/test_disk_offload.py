@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zero
-from compare import GPT
+from compare import GPT, train_steps
 from conftest import sample
 from harness import run_ranks
 from zerolab.models import GPTConfig
@@ -29,20 +29,6 @@ def _model(stage, mp, offload):
     return model
 
 
-def _steps(model, opt, rank, steps, first=0):
-    losses, ledgers = [], []
-    for s in range(first, first + steps):
-        x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
-        with zero.Ledger() as ledger:
-            loss = model.loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.detach())
-        ledgers.append(ledger)
-    return losses, ledgers
-
-
 def _state_bytes(tensors) -> int:
     return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
 
@@ -53,7 +39,7 @@ def _train(rank, n, stage, mp, directory, steps=3):
     opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() > 1]},
                              {"params": [p for p in model.parameters() if p.dim() <= 1],
                               "weight_decay": 0.0}], lr=1e-2)
-    losses, ledgers = _steps(model, opt, rank, steps)
+    losses, ledgers = train_steps(model, opt, rank, steps)
     out = {"losses": losses, "params": zero.full_state_dict(model)}
     if directory:
         store = zero.disk_offload.stores_of(opt)[0]
@@ -113,16 +99,16 @@ def _resume(rank, n, directory, ckpt):
     offload = zero.DiskOffload(os.path.join(directory, f"r{rank}")) if directory else None
     model = _model(3, False, offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _steps(model, opt, rank, 2)
+    train_steps(model, opt, rank, 2)
     zero.save(ckpt, model, opt)
     resident_after_save = sum(len(s) for s in opt.state.values())
-    going_on, _ = _steps(model, opt, rank, 2, first=2)
+    going_on, _ = train_steps(model, opt, rank, 2, first=2)
     fresh = _model(3, False, offload)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    _steps(fresh, opt2, rank, 1, first=7)  # (its own state, replaced by the load)
+    train_steps(fresh, opt2, rank, 1, first=7)  # (its own state, replaced by the load)
     zero.load(ckpt, fresh, opt2)
     resident_after_load = sum(len(s) for s in opt2.state.values())
-    resumed, _ = _steps(fresh, opt2, rank, 2, first=2)
+    resumed, _ = train_steps(fresh, opt2, rank, 2, first=2)
     return going_on, resumed, resident_after_save, resident_after_load
 
 

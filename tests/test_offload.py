@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zero
-from compare import GPT
+from compare import GPT, train_steps
 from harness import run_ranks
 from zerolab.models import GPTConfig
 
@@ -27,16 +27,8 @@ def _train(rank, n, stage, mp, offload, steps=3):
         zero.shard(unit, stage=stage, mp_policy=policy,
                    offload_policy=zero.CPUOffload() if offload else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, records = [], []
-    for s in range(steps):
-        x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
-        with zero.Ledger() as ledger:
-            loss = model.loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.detach())
-        records = ledger.records
+    losses, ledgers = train_steps(model, opt, rank, steps)
+    records = ledgers[-1].records
     units = {u.name: u for u in zero.units_of(model)}
     copies = [(r.op, r.unit, r.buffer_bytes, r.sent_bytes) for r in records if r.op in ("h2d", "d2h")]
     expected = []  # each gather preceded by its h2d; each reduce-scatter followed by its d2h

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zero
-from compare import GPT
+from compare import GPT, train_steps
 from harness import run_ranks
 from zero.comm.quantized import QuantizedWeights
 from zerolab.models import GPTConfig
@@ -67,15 +67,7 @@ def _train(rank, n, quantized, steps=3):
     for unit in model.units():
         zero.shard(unit, stage=3, comm_policy=QuantizedWeights() if quantized else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for s in range(steps):
-        x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
-        loss = model.loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [loss.item() for loss in train_steps(model, opt, rank, steps)[0]]
 
 
 def test_quantized_training_follows_unquantized_within_two_percent():
