@@ -194,3 +194,92 @@ def _rows(rank, n, directory):
 
 def test_layout_rows_is_refused(tmp_path):
     assert "does not support layout='rows'" in run_ranks(_rows, 2, str(tmp_path))[0]
+
+
+# ---- state that appears later, a step that fails, a load into a fresh optimizer ------------
+
+
+class _Branch(torch.nn.Module):
+    """Two units; the second is used on some steps only (a branch not taken)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+def _branch(rank, n, directory, optimizer, schedule):
+    torch.manual_seed(0)
+    model = _Branch()
+    offload = zero.DiskOffload(os.path.join(directory, f"r{rank}")) if directory else \
+        zero.CPUOffload()
+    for m in (model.a, model.b, model):
+        zero.shard(m, stage=3, offload_policy=offload)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9))
+    for s, use_b in enumerate(schedule):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        model(x, use_b).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return zero.full_state_dict(model)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_unit_first_stepped_later_keeps_its_state(optimizer, tmp_path):
+    """Unit b gets no gradient at the first step, so no state then: its state, made at the
+    second step, must be kept like any other (momentum was reset each step, AdamW raised)."""
+    schedule = [False, True, True, True]
+    memory = run_ranks(_branch, 2, None, optimizer, schedule)
+    disk = run_ranks(_branch, 2, str(tmp_path), optimizer, schedule)
+    for m, d in zip(memory, disk):
+        assert all(torch.equal(m[k], d[k]) for k in m)
+
+
+def _fails_then_retries(rank, n, directory):
+    torch.manual_seed(0)
+    model = _Branch()
+    for m in (model.a, model.b, model):
+        zero.shard(m, stage=3, offload_policy=zero.DiskOffload(os.path.join(directory, f"r{rank}")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(x, True).square().mean().backward()
+        opt.step()
+    model(x, True).square().mean().backward()
+    good, model.b.weight.grad = model.b.weight.grad, model.b.weight.grad.to_sparse()
+    try:
+        opt.step()  # unit a is stepped first, then AdamW refuses b's sparse gradient
+    except RuntimeError:
+        pass
+    model.b.weight.grad = good
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "stepped again"
+
+
+def test_a_step_that_failed_part_way_refuses_the_next_one(tmp_path):
+    """Stepping again would step the units before the failure twice: it raises, naming them."""
+    for message in run_ranks(_fails_then_retries, 2, str(tmp_path)):
+        assert "failed part way" in message and "zero.load" in message, message
+
+
+def _fresh_load(rank, n, directory, ckpt):
+    offload = zero.DiskOffload(os.path.join(directory, f"r{rank}"))
+    model = _model(3, False, offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, rank, 2)
+    zero.save(ckpt, model, opt)
+    fresh = _model(3, False, offload)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    zero.load(ckpt, fresh, opt2)  # the usual resume: into an optimizer that never stepped
+    return sum(len(s) for s in opt2.state.values())
+
+
+def test_a_load_into_a_fresh_optimizer_puts_the_state_in_the_files(tmp_path):
+    assert run_ranks(_fresh_load, 2, str(tmp_path / "d"), str(tmp_path / "c")) == [0, 0]

@@ -103,3 +103,44 @@ def _wrong_mesh(rank, n):
 def test_a_mesh_that_is_not_the_shard_group_is_refused():
     for message in run_ranks(_wrong_mesh, NODES * PER_NODE):
         assert "must hold the ranks the unit is sharded over" in message
+
+
+def _non_finite(rank, n, bad, policy_kind):
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE))
+    size = 256
+    grad = torch.full((n * size,), 2.0 / n)
+    if rank == 1:
+        grad[3] = bad  # in shard 0, rank 0's
+    slot = slice(rank * size, (rank + 1) * size)
+    QuantizedGradients(mesh).reduce_scatter(grad, slot, op="sum", group=None, unit="u",
+                                            phase="backward").wait()
+    return torch.isfinite(grad[slot]).all().item()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_gradient_stays_non_finite(bad):
+    """A loss scaler finds overflow by a non-finite gradient; quantized, inf had become 1."""
+    finite = run_ranks(_non_finite, NODES * PER_NODE, bad, "qgz")
+    assert finite == [False, True, True, True]  # shard 0 (rank 0's) holds it; no other does
+
+
+def _outside(rank, n, ranks):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", ranks)
+    try:
+        QuantizedGradients(mesh)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_mesh_out_of_rank_order_is_refused_on_every_rank():
+    for message in run_ranks(_outside, NODES * PER_NODE, [[0, 1], [3, 2]]):
+        assert "in rank order" in message, message
+
+
+def test_a_rank_outside_the_mesh_is_told_so():
+    messages = run_ranks(_outside, NODES * PER_NODE, [[0], [1]])
+    assert messages[:2] == ["accepted", "accepted"]
+    assert all("is not in QuantizedGradients' mesh" in m for m in messages[2:]), messages

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from zero.comm import ledger
+from zero.core import registry
 from zero.offload import CPUOffload
 
 ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit's buffer
@@ -103,6 +104,7 @@ class StateStore:
         self.files: dict[str, int] = {}  # unit name -> its file's number
         self.scalars: dict = {}  # param -> {key: value} kept in memory
         self.pieces: list[tuple[str, list]] = []  # (unit name, its parameters), the last step's
+        self.failed: str | None = None  # the unit at which the last step raised
         self.held_bytes = self.peak_bytes = 0
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-disk")
@@ -142,20 +144,20 @@ class StateStore:
                 optimizer.state[p].update(self.scalars[p])
 
     def take_out(self, optimizer, unit: str, params: list, buf: torch.Tensor | None):
-        """Take the unit's state out of the optimizer, into ``buf`` (made at the first step);
-        returns the buffer to write."""
-        if unit not in self.index:  # the first step: the optimizer made the state just now
-            buf = self._layout(optimizer, unit, params)
+        """Take the unit's state out of the optimizer, into ``buf``; returns the buffer to
+        write. The layout follows the state: at the first step, and whenever the optimizer
+        made state for another parameter (one unused until now) or changed a tensor's dtype
+        or shape, the unit gets a new buffer."""
+        entries = [(p, key, v.dtype, v.shape) for p in params
+                   for key, v in optimizer.state.get(p, {}).items() if _moved(v)]
+        if unit not in self.index or entries != [e[:4] for e in self.index[unit]]:
+            if buf is not None:
+                self._hold(-buf.numel())  # (the old layout's buffer goes once this returns)
+            buf = self._layout(unit, entries)
         for p, key, dtype, shape, offset in self.index[unit]:
             value = optimizer.state[p][key]
-            if value.dtype != dtype or value.shape != shape:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} changed the dtype or shape of its state "
-                    f"{key!r} ({dtype}, {tuple(shape)} -> {value.dtype}, {tuple(value.shape)}) "
-                    "between steps: DiskOffload keeps each unit's state in a file of fixed "
-                    "layout. Use CPUOffload with this optimizer")
             view = buf[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            if value.data_ptr() != view.data_ptr():  # (replaced, not updated in place)
+            if value.data_ptr() != view.data_ptr():  # (new or replaced, not updated in place)
                 view.copy_(value)
         for p in params:
             state = optimizer.state.pop(p, {})
@@ -178,14 +180,12 @@ class StateStore:
         with self._lock:
             self.held_bytes -= buf.numel()
 
-    def _layout(self, optimizer, unit: str, params: list) -> torch.Tensor:
-        entries, offset = [], 0
-        for p in params:
-            for key, value in optimizer.state.get(p, {}).items():
-                if _moved(value):
-                    entries.append((p, key, value.dtype, value.shape, offset))
-                    offset += -(-value.numel() * value.element_size() // ALIGN) * ALIGN
-        self.index[unit], self.sizes[unit] = entries, offset
+    def _layout(self, unit: str, entries: list) -> torch.Tensor:
+        index, offset = [], 0
+        for p, key, dtype, shape in entries:
+            index.append((p, key, dtype, shape, offset))
+            offset += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+        self.index[unit], self.sizes[unit] = index, offset
         self._hold(offset)  # (the optimizer's new tensors are copied in, then dropped)
         return torch.empty(offset, dtype=torch.uint8)
 
@@ -194,11 +194,18 @@ class StateStore:
     def step(self, optimizer, pieces: list[tuple[str, list]], own_step) -> None:
         """``own_step()`` once per unit, over ``pieces`` (unit name, its parameters in the
         optimizer) in order, each unit's state read before and written after, one ahead."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"the last opt.step() failed part way under DiskOffload: the units before "
+                f"{self.failed} were stepped (their state is written), that one and the rest "
+                "were not. Stepping again would step the first ones twice: resume from a "
+                "checkpoint (zero.load(path, model, opt)), which clears this")
         self.pieces = pieces
         ahead = self._io.submit(self.read, pieces[0][0]) if pieces else None
         writes, current = [], []
         try:
             for k, (unit, params) in enumerate(pieces):
+                self.failed = unit  # (until its state is taken out again)
                 buf, current = ahead.result(), params
                 if k + 1 < len(pieces):  # the next unit's read overlaps this unit's step
                     ahead = self._io.submit(self.read, pieces[k + 1][0])
@@ -206,7 +213,7 @@ class StateStore:
                 with only(optimizer, params):
                     own_step()
                 buf = self.take_out(optimizer, unit, params, buf)
-                current = []
+                current, self.failed = [], None
                 writes.append(self._io.submit(self.write, unit, buf))
                 del buf
         finally:
@@ -232,7 +239,7 @@ class StateStore:
                 self.write(unit, self.take_out(optimizer, unit, params, None))
             else:
                 self.forget(unit, params)
-        self.held_bytes = 0
+        self.held_bytes, self.failed = 0, None  # (a load replaced all of it)
 
 
 @contextlib.contextmanager
@@ -240,6 +247,8 @@ def resident(optimizer):
     """All of ``optimizer``'s state in memory for the duration, then back in its files: for
     ``zero.save`` (which reads it) and ``zero.load`` (which replaces it). Nothing else reads an
     optimizer's state between steps; while it is on disk ``optimizer.state`` holds none of it."""
+    for policy, pieces in pieces_of(optimizer).items():  # (an optimizer that never stepped
+        policy.store(optimizer).pieces = pieces  # has its store made here)
     stores = stores_of(optimizer)
     for store in stores:
         store.load_all(optimizer)
@@ -248,6 +257,21 @@ def resident(optimizer):
     finally:
         for store in stores:
             store.store_all(optimizer)
+
+
+def pieces_of(optimizer) -> dict:
+    """{DiskOffload: [(unit name, its parameters in the optimizer)]}, units in the order of
+    the optimizer's parameters (the same on every rank)."""
+    units: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = registry.unit_of(p)
+            if unit is not None and isinstance(unit.offload, DiskOffload):
+                units.setdefault(unit, []).append(p)
+    out: dict = {}
+    for unit, params in units.items():
+        out.setdefault(unit.offload, []).append((unit.name, params))
+    return out
 
 
 def _moved(value) -> bool:

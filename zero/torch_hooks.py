@@ -27,6 +27,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from zero.core import registry
+from zero import disk_offload
 from zero.disk_offload import DiskOffload
 
 _state = {"optimizer_hook": False, "state_dict_access": 0}
@@ -95,11 +96,12 @@ def _before_step(optimizer, args, kwargs):
         _guard_state_dicts(optimizer, units)
     for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
-    on_disk = [u for u in units if isinstance(u.offload, DiskOffload)]
-    return _step_from_disk(optimizer, on_disk, args, kwargs) if on_disk else None
+    if any(isinstance(u.offload, DiskOffload) for u in units):
+        return _step_from_disk(optimizer, args, kwargs)
+    return None
 
 
-def _step_from_disk(optimizer, units, args, kwargs):
+def _step_from_disk(optimizer, args, kwargs):
     """Disk offload (``zero/disk_offload.py``): step unit by unit, each unit's state read from
     its file and written back; the call itself then runs on a stand-in that holds only the
     parameters of no such unit (what the hook returns is the call's arguments)."""
@@ -115,19 +117,17 @@ def _step_from_disk(optimizer, units, args, kwargs):
             "opt.step(closure) (or with other arguments) under DiskOffload: the step runs once "
             "per unit, and a closure would be evaluated each time. Compute the loss and "
             "backward first, then call opt.step()")
-    policies = {u.offload for u in units}
-    if len(policies) > 1:
+    by_policy = disk_offload.pieces_of(optimizer)
+    if len(by_policy) > 1:
         raise ValueError(f"one optimizer over units with different DiskOffload policies "
-                         f"({len(policies)} directories): give them all one DiskOffload")
-    groups = optimizer.param_groups
-    pieces = [(u.name, [p for g in groups for p in g["params"] if registry.unit_of(p) is u])
-              for u in units]
+                         f"({len(by_policy)} directories): give them all one DiskOffload")
+    (policy, pieces), = by_policy.items()
     on_disk = {id(p) for _, params in pieces for p in params}
-    policies.pop().store(optimizer).step(optimizer, pieces, lambda: own_step(optimizer))
+    policy.store(optimizer).step(optimizer, pieces, lambda: own_step(optimizer))
     stand_in = object.__new__(type(optimizer))  # the same attributes and state, and groups of
     stand_in.__dict__.update(optimizer.__dict__)  # the rest of the parameters
     stand_in.param_groups = [{**g, "params": [p for p in g["params"] if id(p) not in on_disk]}
-                             for g in groups]
+                             for g in optimizer.param_groups]
     return (stand_in, *args[1:]), kwargs
 
 

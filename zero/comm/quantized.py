@@ -33,7 +33,8 @@ BLOCK = 256  # elements per scale (ours; DeepSpeed's qwZ groups by a similar fix
 def quantize_rows(x: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric block quantization of each row: (R, L) -> (R, nb*B) int8 in [-levels, levels]
     and (R, nb) fp32 scales (a block's largest magnitude over ``levels``; 1 for a block of
-    zeros), each row's last block padded with zeros. ``q * scale`` is within half a scale."""
+    zeros; NaN for a block holding an inf or a NaN, which so arrives as NaNs), each row's last
+    block padded with zeros. ``q * scale`` is within half a scale."""
     rows, length = x.shape
     nb = -(-length // block)
     if length % block == 0:
@@ -44,8 +45,12 @@ def quantize_rows(x: torch.Tensor, block: int, levels: int) -> tuple[torch.Tenso
     blocks = padded.reshape(rows, nb, block)
     scale = blocks.abs().amax(dim=2) / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block
-    q = torch.round(blocks / scale[:, :, None]).clamp_(-levels, levels).to(torch.int8)
-    return q.view(rows, -1), scale
+    # A block with an inf or a NaN gets a NaN scale, so that it arrives as NaNs: a loss scaler
+    # must still find the overflow (an inf scale would give 0 * inf = NaN too, but a NaN's
+    # amax is NaN, and NaN > 0 is False: the block would come out finite, and wrong).
+    scale = torch.where(torch.isfinite(blocks).all(dim=2), scale, torch.full_like(scale, torch.nan))
+    q = torch.round(blocks / scale[:, :, None]).nan_to_num_(0).clamp_(-levels, levels)
+    return q.to(torch.int8).view(rows, -1), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, length: int) -> torch.Tensor:

@@ -72,9 +72,16 @@ class QuantizedGradients(FlatCollectives):
         if block < 2 or block % 2:
             raise ValueError(f"block must be an even number of elements, got {block}")
         self.nodes, self.per_node = mesh.shape
+        self.ranks = mesh.mesh.flatten().tolist()
+        # (every rank holds the same mesh: these checks fail on all of them alike)
+        if self.ranks != sorted(self.ranks):
+            raise ValueError(f"QuantizedGradients needs the mesh's ranks in rank order, node by "
+                             f"node ({self.ranks} is not): rank i*g + j of the shard group is "
+                             "local rank j of node i, the order the unit's shards are in")
+        if mesh.get_coordinate() is None:
+            raise ValueError(f"this rank ({backend.rank(None)}) is not in QuantizedGradients' mesh "
+                             f"{self.ranks}: build the policy on the ranks of the mesh only")
         self.intra, self.inter = mesh.get_group(1), mesh.get_group(0)
-        i, j = mesh.get_coordinate()
-        self.position = i * self.per_node + j
         self.block, self.weights = block, weights or FlatCollectives()
         self.in_place_ok = getattr(self.weights, "in_place_ok", True)
         ledger.name_group(self.intra, "intra-node")
@@ -108,12 +115,12 @@ class QuantizedGradients(FlatCollectives):
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
                        phase: str):
         n, g = self.nodes, self.per_node
-        if backend.world_size(group) != n * g or backend.rank(group) != self.position:
+        sharded_over = [backend.global_rank(group, r) for r in range(backend.world_size(group))]
+        if sharded_over != self.ranks:  # (the same answer on every rank of the group)
             raise ValueError(
-                f"QuantizedGradients' mesh ({n}x{g}) must hold the ranks the unit is sharded "
-                f"over, in their order: this rank is {backend.rank(group)} of "
-                f"{backend.world_size(group)} there and at {self.position} in the mesh. Shard "
-                "over the mesh's ranks (group=None for a mesh of the world)")
+                f"QuantizedGradients' mesh ({n}x{g}, ranks {self.ranks}) must hold the ranks the "
+                f"unit is sharded over, in their order ({sharded_over}). Shard over the mesh's "
+                "ranks (group=None for a mesh of the world)")
         if op not in ("sum", "avg"):
             raise ValueError(f"QuantizedGradients reduces by sum or avg, not {op!r}")
         size = grad.numel() // (n * g)
