@@ -6,10 +6,10 @@
 A stack of ``--layers`` Linear(dim, dim) units, ZeRO-3 on 2 gloo ranks, AdamW: its state is
 8 bytes a parameter, 8.4 MB a unit a rank at dim 1024. Each rank first runs one forward and
 backward (everything but the optimizer state exists then), then its address space may grow
-by ``--budget-mib`` only (``RLIMIT_AS``) while it trains ``--steps`` steps. Three runs, each
-in a fresh interpreter (a forked child of a long-lived process inherits free memory the limit
-does not see): in memory without the limit (the reference), in memory under it, and with
-``zero.DiskOffload`` under it. glibc is told to map every tensor above 64 KiB on its own and
+by ``--budget-mib`` only (``RLIMIT_AS``) while it trains ``--steps`` steps. Three runs, on
+ranks forked from a fresh interpreter (a forked child of a long-lived process inherits free
+memory the limit does not see): in memory without the limit (the reference), in memory under
+it, and with ``zero.DiskOffload`` under it. glibc is told to map every tensor above 64 KiB on its own and
 unmap it when it is freed (``M_MMAP_THRESHOLD``, one arena), so the address space follows the
 live tensors. Prints one table; ``--json`` one JSON object a run.
 """
@@ -88,30 +88,30 @@ def rank_run(rank: int, n: int, directory: str | None, budget: int, layers: int,
             "step_s": statistics.median(times[1:] or times)}
 
 
-def _one(args) -> None:
+def _runs(args) -> None:
+    """The three runs, one after the other, each on ranks forked from this fresh interpreter
+    (which itself allocates nothing they would inherit); one JSON line a run."""
     from zerolab.launch import run_ranks
 
-    directory = tempfile.mkdtemp(prefix="zero-disk-limit-") if args.run.startswith("disk") else None
-    budget = args.budget_mib << 20 if args.run.endswith("limited") else 0
-    try:
-        results = run_ranks(rank_run, 2, directory, budget, args.layers, args.dim, args.steps)
-    except Exception as e:  # (run_ranks: a rank that raised outside the loop)
-        results = [{"error": str(e).splitlines()[0][:160]}]
-    print(json.dumps({"run": args.run, "budget": budget, "ranks": results}))
+    for run in RUNS:
+        directory = tempfile.mkdtemp(prefix="zero-disk-limit-") if run.startswith("disk") else None
+        budget = args.budget_mib << 20 if run.endswith("limited") else 0
+        try:
+            results = run_ranks(rank_run, 2, directory, budget, args.layers, args.dim, args.steps)
+        except Exception as e:  # (run_ranks: a rank that raised outside the loop)
+            results = [{"error": str(e).splitlines()[0][:160]}]
+        print(json.dumps({"run": run, "budget": budget, "ranks": results}), flush=True)
 
 
 def measure(layers: int, dim: int, budget_mib: int, steps: int) -> list[dict]:
-    """The three runs, each in a fresh interpreter: one dict a run."""
+    """The three runs, in a fresh interpreter: one dict a run."""
     env = {**os.environ, "ZERO_TIMEOUT": os.environ.get("ZERO_TIMEOUT", "20")}
-    out = []
-    for run in RUNS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--run", run, "--layers", str(layers),
-               "--dim", str(dim), "--budget-mib", str(budget_mib), "--steps", str(steps)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        if done.returncode:
-            raise RuntimeError(f"{run}: exit {done.returncode}: {done.stderr[-2000:]}")
-        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return out
+    cmd = [sys.executable, os.path.abspath(__file__), "--ranks", "--layers", str(layers),
+           "--dim", str(dim), "--budget-mib", str(budget_mib), "--steps", str(steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr[-2000:]}")
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(RUNS):]]
 
 
 def table(results: list[dict], budget_mib: int) -> list[str]:
@@ -142,10 +142,10 @@ def main(argv=None) -> None:
     p.add_argument("--budget-mib", type=int_in(1, 1 << 20), default=32)
     p.add_argument("--steps", type=int_in(2, 1000), default=5)
     p.add_argument("--json", action="store_true", help="one JSON object a run")
-    p.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)  # (one run, in this process)
+    p.add_argument("--ranks", action="store_true", help=argparse.SUPPRESS)  # (the runs, here)
     args = p.parse_args(argv)
-    if args.run:
-        return _one(args)
+    if args.ranks:
+        return _runs(args)
     results = measure(args.layers, args.dim, args.budget_mib, args.steps)
     if args.json:
         print("\n".join(json.dumps(r) for r in results))
