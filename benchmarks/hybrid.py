@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
+from zero.comm.quantized_gradients import BLOCK  # noqa: E402
 from zerolab.cost import Cluster, step_time  # noqa: E402
 from zerolab.launch import run_ranks  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
@@ -76,8 +77,6 @@ def formula(name: str, padded: int, root: int, shards: list[int]) -> dict[str, f
     stage = int(name[-1]) if name[-1].isdigit() else 3
     gathers = 2 if stage < 3 else 3 - root / padded  # stage 3 gathers again in backward
     if name == "qgZ":
-        from zero.comm.quantized_gradients import BLOCK
-
         c = sum(-(-s // BLOCK) * (BLOCK // 2 + 4) for s in shards)  # codes + scales a shard
         return {"world": (gathers - 1) * ring(n) * p, "intra-node": ring(PER_NODE) * n * c,
                 "inter-node": ring(NODES) * NODES * c}

@@ -145,12 +145,12 @@ class StateStore:
 
     def take_out(self, optimizer, unit: str, params: list, buf: torch.Tensor | None):
         """Take the unit's state out of the optimizer, into ``buf``; returns the buffer to
-        write. The layout follows the state: at the first step, and whenever the optimizer
-        made state for another parameter (one unused until now) or changed a tensor's dtype
-        or shape, the unit gets a new buffer."""
+        write. The layout follows the state: without a buffer (the first step, a load), and
+        whenever the optimizer made state for another parameter (one unused until now) or
+        changed a tensor's dtype or shape, the unit gets a new buffer."""
         entries = [(p, key, v.dtype, v.shape) for p in params
                    for key, v in optimizer.state.get(p, {}).items() if _moved(v)]
-        if unit not in self.index or entries != [e[:4] for e in self.index[unit]]:
+        if buf is None or entries != [e[:4] for e in self.index.get(unit, ())]:
             if buf is not None:
                 self._hold(-buf.numel())  # (the old layout's buffer goes once this returns)
             buf = self._layout(unit, entries)
@@ -234,7 +234,6 @@ class StateStore:
         """Every unit's state from the optimizer to its file again (after ``load_all``, and
         after a load, which may have replaced all of it)."""
         for unit, params in self.pieces:
-            self.forget(unit, [])
             if any(p in optimizer.state for p in params):
                 self.write(unit, self.take_out(optimizer, unit, params, None))
             else:
@@ -279,17 +278,14 @@ def _moved(value) -> bool:
     return torch.is_tensor(value) and value.dim() > 0
 
 
-class only:
+@contextlib.contextmanager
+def only(optimizer, params: list):
     """The optimizer's groups hold only ``params`` for the duration (always restored)."""
-
-    def __init__(self, optimizer, params: list):
-        self.groups, self.keep = optimizer.param_groups, {id(p) for p in params}
-
-    def __enter__(self):
-        self.saved = [g["params"] for g in self.groups]
-        for g in self.groups:
-            g["params"] = [p for p in g["params"] if id(p) in self.keep]
-
-    def __exit__(self, *exc):
-        for g, params in zip(self.groups, self.saved):
-            g["params"] = params
+    keep, saved = {id(p) for p in params}, [g["params"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"] = [p for p in g["params"] if id(p) in keep]
+    try:
+        yield
+    finally:
+        for g, params_of_group in zip(optimizer.param_groups, saved):
+            g["params"] = params_of_group

@@ -28,7 +28,6 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from zero.core import registry
 from zero import disk_offload
-from zero.disk_offload import DiskOffload
 
 _state = {"optimizer_hook": False, "state_dict_access": 0}
 
@@ -96,7 +95,7 @@ def _before_step(optimizer, args, kwargs):
         _guard_state_dicts(optimizer, units)
     for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
-    if any(isinstance(u.offload, DiskOffload) for u in units):
+    if any(isinstance(u.offload, disk_offload.DiskOffload) for u in units):
         return _step_from_disk(optimizer, args, kwargs)
     return None
 
