@@ -8,10 +8,13 @@ part there: the optimizer state (AdamW's two moments, 8 bytes a parameter agains
 shards and their gradients stay on the host, as with CPU offload, and the step runs there.
 
 torch's optimizers step a whole parameter group in one call and read every parameter's state
-first (AdamW's ``_init_group``), so the step is split here, unit by unit, inside the global
-step pre-hook (``zero/torch_hooks.py``) that every optimizer over zero's pieces already runs::
+first (AdamW's ``_init_group``), so the step is split here, unit by unit. This policy owns
+that part of the step (``before_step``, called by zero's step pre-hook on the optimizer,
+``zero/torch_hooks.py``, which runs after the user's own pre-hooks: a warm-up that sets this
+step's lr has set it before any unit is stepped)::
 
-    opt.step():  pre-hook: for each unit k (the same order on every rank):
+    opt.step():  user's pre-hooks
+                 zero's pre-hook: for each unit k (the same order on every rank):
                      read unit k+1's file in the background     (disk -> memory)
                      opt's own step over unit k's parameters only, their state put back
                      write unit k's state back in the background (memory -> disk), drop it
@@ -20,11 +23,14 @@ step pre-hook (``zero/torch_hooks.py``) that every optimizer over zero's pieces 
 
 Stepping a unit's parameters apart from the rest computes, parameter by parameter, what one
 call computes: every optimizer that zero steps on pieces updates each parameter on its own
-(``torch_hooks.ELEMENTWISE``, checked below), so the bits are those of the in-memory run
-(tests/test_disk_offload.py). What is read and written is counted in the ledger ("read" and
-"write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say how much state
-the store holds in memory. The files are this store's own: a fresh directory under the one
-given, removed when the optimizer is; nothing else there is touched.
+(``zero/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
+in-memory run (tests/test_disk_offload.py). What is read and written is counted in the ledger
+("read" and "write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say
+how much state the store holds in memory. The files are this store's own: a fresh directory under the one
+given, removed when the optimizer is; nothing else there is touched. Each unit's state is
+keyed by the unit itself, never by its name (which the root changes at the first forward,
+from the module's class to its path): a resume or a save before any forward, and two
+separately sharded models in one optimizer, find their own state.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 from zero.comm import ledger
 from zero.core import registry
 from zero.offload import CPUOffload
+from zero.optimizers import ELEMENTWISE
 
 ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit's buffer
 
@@ -70,7 +77,7 @@ class DiskOffload(CPUOffload):
         return hash((DiskOffload, self.directory, self.pin_memory))
 
     def check(self, layout) -> None:
-        if layout.name == "rows":  # (its state is DTensors: the buffers would need wrapping)
+        if layout.exposes_dtensors:  # (its state is DTensors: the buffers would need wrapping)
             raise ValueError("DiskOffload does not support layout='rows' yet (the optimizer "
                              "state of DTensor parameters is DTensors): use layout='flat' or "
                              "'whole', or CPUOffload with 'rows'")
@@ -81,6 +88,46 @@ class DiskOffload(CPUOffload):
         if self not in stores:
             stores[self] = StateStore(self.directory)
         return stores[self]
+
+    def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
+        """This policy's part of ``opt.step()``: step ``units`` (this policy's, in the
+        optimizer's order) one by one, each unit's state read from its file and written back;
+        returns the call's arguments, the optimizer replaced by a stand-in that holds only
+        the parameters no such unit holds, for torch to step as usual."""
+        kind = type(optimizer).__name__
+        own_step = getattr(type(optimizer).step, "__wrapped__", None)
+        if kind not in ELEMENTWISE or own_step is None:
+            raise RuntimeError(
+                f"DiskOffload steps the optimizer unit by unit, which computes what one step "
+                f"does only for an optimizer that updates each parameter on its own; {kind} is "
+                f"not one zero knows ({sorted(ELEMENTWISE)}). Use CPUOffload with it")
+        if len(args) > 1 or kwargs:
+            raise ValueError(
+                "opt.step(closure) (or with other arguments) under DiskOffload: the step runs "
+                "once per unit, and a closure would be evaluated each time. Compute the loss "
+                "and backward first, then call opt.step()")
+        pieces = _pieces(optimizer, units)
+        on_disk = {id(p) for _, params in pieces for p in params}
+        self.store(optimizer).step(optimizer, pieces, lambda: own_step(optimizer))
+        stand_in = object.__new__(type(optimizer))  # the same attributes and state, and groups
+        stand_in.__dict__.update(optimizer.__dict__)  # of the rest of the parameters
+        stand_in.param_groups = [{**g, "params": [p for p in g["params"] if id(p) not in on_disk]}
+                                 for g in optimizer.param_groups]
+        return (stand_in, *args[1:]), kwargs
+
+    @contextlib.contextmanager
+    def resident(self, optimizer, units: list):
+        """All the state of ``units`` in ``optimizer`` in memory for the duration, then back in
+        its files: for ``zero.save`` (which reads it) and ``zero.load`` (which replaces it).
+        Nothing else reads an optimizer's state between steps; while it is on disk
+        ``optimizer.state`` holds none of it."""
+        store = self.store(optimizer)  # (an optimizer that never stepped has it made here)
+        store.pieces = _pieces(optimizer, units)
+        store.load_all(optimizer)
+        try:
+            yield
+        finally:
+            store.store_all(optimizer)
 
 
 def stores_of(optimizer) -> list["StateStore"]:
@@ -93,23 +140,24 @@ class StateStore:
     A unit's state is one byte buffer, the tensors of its parameters' state end to end (each
     at a multiple of ``ALIGN``); its index (which parameter, key, dtype, shape, where) stays in
     memory with the scalar state (AdamW's ``step``, a 0-d tensor), which is too small to move.
+    Everything is keyed by the unit object (its name is only for the ledger).
     """
 
     def __init__(self, directory: str):
         os.makedirs(directory, exist_ok=True)
         self.root = tempfile.mkdtemp(prefix="zero-optimizer-state-", dir=directory)
         weakref.finalize(self, shutil.rmtree, self.root, True)  # only what we made
-        self.index: dict[str, list] = {}  # unit name -> [(param, key, dtype, shape, offset)]
-        self.sizes: dict[str, int] = {}  # unit name -> its buffer's bytes
-        self.files: dict[str, int] = {}  # unit name -> its file's number
+        self.index: dict = {}  # unit -> [(param, key, dtype, shape, offset)]
+        self.sizes: dict = {}  # unit -> its buffer's bytes
+        self.files: dict = {}  # unit -> its file's number
         self.scalars: dict = {}  # param -> {key: value} kept in memory
-        self.pieces: list[tuple[str, list]] = []  # (unit name, its parameters), the last step's
-        self.failed: str | None = None  # the unit at which the last step raised
+        self.pieces: list[tuple] = []  # (unit, its parameters), the last step's
+        self.failed = None  # the unit at which the last step raised
         self.held_bytes = self.peak_bytes = 0
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-disk")
 
-    def path(self, unit: str) -> str:
+    def path(self, unit) -> str:
         number = self.files.setdefault(unit, len(self.files))
         return os.path.join(self.root, f"unit{number:05d}.state")
 
@@ -120,7 +168,7 @@ class StateStore:
 
     # ---- one unit's state, between its file and the optimizer -------------------------------
 
-    def read(self, unit: str) -> torch.Tensor | None:
+    def read(self, unit) -> torch.Tensor | None:
         """Unit ``unit``'s state buffer from its file (None before its first step)."""
         size = self.sizes.get(unit)
         if size is None:
@@ -131,10 +179,10 @@ class StateStore:
             if f.readinto(buf.numpy()) != size:
                 raise RuntimeError(f"the optimizer state file {self.path(unit)} is shorter than "
                                    f"the {size} bytes written to it: was it changed on disk?")
-        ledger.record_copy("read", buf, unit, "step")
+        ledger.record_copy("read", buf, unit.name, "step")
         return buf
 
-    def put_back(self, optimizer, unit: str, params: list, buf: torch.Tensor | None) -> None:
+    def put_back(self, optimizer, unit, params: list, buf: torch.Tensor | None) -> None:
         """Give the optimizer the unit's state, as views into ``buf``."""
         for p, key, dtype, shape, offset in self.index.get(unit, ()):
             nbytes = shape.numel() * dtype.itemsize
@@ -143,14 +191,15 @@ class StateStore:
             if self.scalars.get(p):
                 optimizer.state[p].update(self.scalars[p])
 
-    def take_out(self, optimizer, unit: str, params: list, buf: torch.Tensor | None):
+    def take_out(self, optimizer, unit, params: list, buf: torch.Tensor | None):
         """Take the unit's state out of the optimizer, into ``buf``; returns the buffer to
         write. The layout follows the state: without a buffer (the first step, a load), and
         whenever the optimizer made state for another parameter (one unused until now) or
         changed a tensor's dtype or shape, the unit gets a new buffer."""
         entries = [(p, key, v.dtype, v.shape) for p in params
                    for key, v in optimizer.state.get(p, {}).items() if _moved(v)]
-        if buf is None or entries != [e[:4] for e in self.index.get(unit, ())]:
+        same = lambda es: [(id(p), *rest) for p, *rest in es]  # noqa: E731 (not tensor ==)
+        if buf is None or same(entries) != same(e[:4] for e in self.index.get(unit, ())):
             if buf is not None:
                 self._hold(-buf.numel())  # (the old layout's buffer goes once this returns)
             buf = self._layout(unit, entries)
@@ -164,7 +213,7 @@ class StateStore:
             self.scalars[p] = {k: v for k, v in state.items() if not _moved(v)}
         return buf
 
-    def forget(self, unit: str, params: list) -> None:
+    def forget(self, unit, params: list) -> None:
         """The unit has no state (a load gave it none): as in memory, it starts afresh."""
         self.index.pop(unit, None)
         if self.sizes.pop(unit, None) is not None:
@@ -172,15 +221,15 @@ class StateStore:
         for p in params:
             self.scalars.pop(p, None)
 
-    def write(self, unit: str, buf: torch.Tensor) -> None:
+    def write(self, unit, buf: torch.Tensor) -> None:
         """Write the unit's buffer to its file; it is freed once written."""
         with open(self.path(unit), "wb", buffering=0) as f:
             f.write(buf.numpy())
-        ledger.record_copy("write", buf, unit, "step")
+        ledger.record_copy("write", buf, unit.name, "step")
         with self._lock:
             self.held_bytes -= buf.numel()
 
-    def _layout(self, unit: str, entries: list) -> torch.Tensor:
+    def _layout(self, unit, entries: list) -> torch.Tensor:
         index, offset = [], 0
         for p, key, dtype, shape in entries:
             index.append((p, key, dtype, shape, offset))
@@ -191,13 +240,13 @@ class StateStore:
 
     # ---- the whole step, and the whole state for a checkpoint -------------------------------
 
-    def step(self, optimizer, pieces: list[tuple[str, list]], own_step) -> None:
-        """``own_step()`` once per unit, over ``pieces`` (unit name, its parameters in the
+    def step(self, optimizer, pieces: list[tuple], own_step) -> None:
+        """``own_step()`` once per unit, over ``pieces`` (unit, its parameters in the
         optimizer) in order, each unit's state read before and written after, one ahead."""
         if self.failed is not None:
             raise RuntimeError(
                 f"the last opt.step() failed part way under DiskOffload: the units before "
-                f"{self.failed} were stepped (their state is written), that one and the rest "
+                f"{self.failed.name} were stepped (their state is written), that one and the rest "
                 "were not. Stepping again would step the first ones twice: resume from a "
                 "checkpoint (zero.load(path, model, opt)), which clears this")
         self.pieces = pieces
@@ -241,36 +290,17 @@ class StateStore:
         self.held_bytes, self.failed = 0, None  # (a load replaced all of it)
 
 
-@contextlib.contextmanager
-def resident(optimizer):
-    """All of ``optimizer``'s state in memory for the duration, then back in its files: for
-    ``zero.save`` (which reads it) and ``zero.load`` (which replaces it). Nothing else reads an
-    optimizer's state between steps; while it is on disk ``optimizer.state`` holds none of it."""
-    for policy, pieces in pieces_of(optimizer).items():  # (an optimizer that never stepped
-        policy.store(optimizer).pieces = pieces  # has its store made here)
-    stores = stores_of(optimizer)
-    for store in stores:
-        store.load_all(optimizer)
-    try:
-        yield
-    finally:
-        for store in stores:
-            store.store_all(optimizer)
-
-
-def pieces_of(optimizer) -> dict:
-    """{DiskOffload: [(unit name, its parameters in the optimizer)]}, units in the order of
-    the optimizer's parameters (the same on every rank)."""
-    units: dict = {}
+def _pieces(optimizer, units: list) -> list[tuple]:
+    """[(unit, its parameters in the optimizer)] for ``units``, in the order of the
+    optimizer's parameters (the same on every rank)."""
+    wanted = set(units)
+    out: dict = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             unit = registry.unit_of(p)
-            if unit is not None and isinstance(unit.offload, DiskOffload):
-                units.setdefault(unit, []).append(p)
-    out: dict = {}
-    for unit, params in units.items():
-        out.setdefault(unit.offload, []).append((unit.name, params))
-    return out
+            if unit in wanted:
+                out.setdefault(unit, []).append(p)
+    return list(out.items())
 
 
 def _moved(value) -> bool:

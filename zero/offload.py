@@ -21,6 +21,7 @@ and training is bitwise the same as without offload (tests/test_offload.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,15 @@ class CPUOffload:
         """The shard, on the compute device, for an all-gather (host -> device)."""
         ledger.record_copy("h2d", shard, unit, phase)
         return shard.to(device, non_blocking=shard.is_pinned())
+
+    def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
+        """This policy's part of ``opt.step()`` over ``units``: none, the optimizer steps the
+        host shards as usual (disk offload steps them itself: ``zero/disk_offload.py``)."""
+        return None
+
+    def resident(self, optimizer, units: list):
+        """The optimizer state of ``units`` in memory for a checkpoint: it always is."""
+        return contextlib.nullcontext()
 
     def to_host(self, shard: torch.Tensor, unit: str) -> torch.Tensor:
         """A reduced gradient shard, copied to the host (device -> host)."""

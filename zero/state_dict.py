@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zero import comm, torch_hooks
+from zero import comm
+from zero.core.checks import state_dict_access
 from zero.core.registry import units_of
 
 
@@ -31,7 +32,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             # (S,) per rank -> (N*S,): the master weights, whole
             comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other")
             unit.use(unit.layout.views(unit.layout.from_wire(flat)))  # (rows: copied out)
-        with torch_hooks.state_dict_access():
+        with state_dict_access():
             return model.state_dict()
     finally:
         for unit in units:
@@ -49,7 +50,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         for unit in units:
             fulls[unit] = unit.sharded.new_zeros(unit.layout.padded_numel)
             unit.use(unit.layout.views(fulls[unit]))  # torch copies each tensor in here
-        with torch_hooks.state_dict_access():
+        with state_dict_access():
             result = model.load_state_dict(state_dict, strict=strict)
     finally:
         for unit in units:

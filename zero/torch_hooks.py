@@ -4,32 +4,40 @@ Sharding replaces each parameter by this rank's 1-D piece of it. Whatever still 
 the old tensors, or reads the pieces as if they were whole, would compute silently wrong
 results; each way in gets a hook that either does the right thing or raises, naming the fix:
 
-- an optimizer: a global step pre-hook waits for any all-gather still reading the shard
-  the step is about to write, refuses the replaced originals (built before sharding) and an
-  optimizer that would compute something else on the pieces a layout gives it; a post-hook
-  marks the units it stepped, on every rank, even one that holds none of a unit's elements;
+- an optimizer over zero's pieces: at its first step zero attaches a step pre-hook and a
+  post-hook to it (to it alone: other optimizers are never touched again). The pre-hook runs
+  last among its pre-hooks, after the user's own (a warm-up that sets this step's lr), so
+  it sees the step exactly as torch would run it: it waits for any all-gather still reading
+  the shard the step is about to write, refuses the replaced originals (built before
+  sharding) and an optimizer that would compute something else on the pieces a layout gives
+  it, and lets each unit's offload policy take its part of the step (disk offload steps unit
+  by unit: ``zero/disk_offload.py``). The post-hook marks the units it stepped, on every
+  rank, even one that holds none of a unit's elements;
 - the original parameters: a module outside the sharded model that shares one would train
   it on each rank alone; a gradient reaching an original raises;
 - ``module.state_dict()`` / ``load_state_dict()``: on a sharded module they would give and
   take this rank's pieces under the full names (and rank 0's file would load, silently
   wrong, everywhere); they raise and point to ``zero.full_state_dict`` /
   ``zero.load_full_state_dict`` and ``zero.save`` / ``zero.load``.
+
+[Note: the one process-wide hook] torch gives no hook for an optimizer being built, so zero
+learns of one at its first step: a global step pre-hook (registered once, found in torch's
+own table of global hooks) asks whether the optimizer holds zero's pieces, attaches the two
+hooks above if so, and marks it; for any other optimizer it does nothing after that first
+look (it looks again only if a parameter group is added).
 """
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
 from zero.core import registry
-from zero import disk_offload
-
-_state = {"optimizer_hook": False, "state_dict_access": 0}
+from zero.core.checks import state_dict_access_granted
+from zero.optimizers import NO_LAYOUT, WHOLE_TENSOR, ELEMENTWISE
 
 
 def replace(params, unit, names) -> None:
@@ -50,16 +58,30 @@ def _outside_use(name: str, unit, grad):
 
 
 def install(modules: list[nn.Module]) -> None:
-    """The hooks, on every module that holds a sharded parameter (and the unit's own)."""
-    if not _state["optimizer_hook"]:
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
-        _state["optimizer_hook"] = True
+    """The hooks, on every module that holds a sharded parameter (and the unit's own); and
+    the one global hook that finds the optimizers over zero's pieces (module note)."""
+    if _discover not in _global_optimizer_pre_hooks.values():
+        register_optimizer_step_pre_hook(_discover)
     for module in modules:
         if not getattr(module, "_zero_state_dict_hooks", False):
             module.register_state_dict_pre_hook(_state_dict_pre_hook)
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
             module._zero_state_dict_hooks = True
+
+
+def _discover(optimizer, args, kwargs) -> None:
+    """The global pre-hook: attach zero's hooks to an optimizer over its pieces (once), and
+    keep zero's pre-hook the last of the optimizer's own, after any the user added since."""
+    seen = optimizer.__dict__.get("_zero_seen")
+    if seen is None or seen[0] != len(optimizer.param_groups):
+        handle = seen[1] if seen is not None else None
+        if handle is None and units_of_optimizer(optimizer):
+            handle = optimizer.register_step_pre_hook(_before_step)
+            optimizer.register_step_post_hook(_after_step)
+        optimizer._zero_seen = seen = (len(optimizer.param_groups), handle)
+    if seen[1] is not None:
+        optimizer._optimizer_step_pre_hooks.move_to_end(seen[1].id)  # torch's order: ours last
+    return None
 
 
 def units_of_optimizer(optimizer) -> list:
@@ -79,55 +101,27 @@ def units_of_optimizer(optimizer) -> list:
     return list(units)
 
 
-# Optimizers that read a parameter as a whole: on a piece of it (flat) or on some of its rows
-# (rows) they compute something else, silently. (LBFGS reads all parameters as one vector and
-# takes dot products over it: on any rank's share of them it is wrong under every layout.)
-WHOLE_TENSOR = {"Adafactor": "its factored second moment is per row and column of a matrix",
-                "Muon": "it orthogonalises the update of each whole matrix"}
-NO_LAYOUT = {"LBFGS": "it takes dot products over all parameters as one vector, and each rank "
-                      "holds only its share"}
-
-
 def _before_step(optimizer, args, kwargs):
+    """zero's step pre-hook on ``optimizer`` (the last of its pre-hooks: module note)."""
     units = units_of_optimizer(optimizer)
     if units:
         _refuse_whole_tensor_optimizers(optimizer, units)
         _guard_state_dicts(optimizer, units)
     for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
-    if any(isinstance(u.offload, disk_offload.DiskOffload) for u in units):
-        return _step_from_disk(optimizer, args, kwargs)
-    return None
-
-
-def _step_from_disk(optimizer, args, kwargs):
-    """Disk offload (``zero/disk_offload.py``): step unit by unit, each unit's state read from
-    its file and written back; the call itself then runs on a stand-in that holds only the
-    parameters of no such unit (what the hook returns is the call's arguments)."""
-    kind = type(optimizer).__name__
-    own_step = getattr(type(optimizer).step, "__wrapped__", None)
-    if kind not in ELEMENTWISE or own_step is None:
-        raise RuntimeError(
-            f"DiskOffload steps the optimizer unit by unit, which computes what one step does "
-            f"only for an optimizer that updates each parameter on its own; {kind} is not one "
-            f"zero knows ({sorted(ELEMENTWISE)}). Use CPUOffload with it")
-    if len(args) > 1 or kwargs:
-        raise ValueError(
-            "opt.step(closure) (or with other arguments) under DiskOffload: the step runs once "
-            "per unit, and a closure would be evaluated each time. Compute the loss and "
-            "backward first, then call opt.step()")
-    by_policy = disk_offload.pieces_of(optimizer)
-    if len(by_policy) > 1:
-        raise ValueError(f"one optimizer over units with different DiskOffload policies "
-                         f"({len(by_policy)} directories): give them all one DiskOffload")
-    (policy, pieces), = by_policy.items()
-    on_disk = {id(p) for _, params in pieces for p in params}
-    policy.store(optimizer).step(optimizer, pieces, lambda: own_step(optimizer))
-    stand_in = object.__new__(type(optimizer))  # the same attributes and state, and groups of
-    stand_in.__dict__.update(optimizer.__dict__)  # the rest of the parameters
-    stand_in.param_groups = [{**g, "params": [p for p in g["params"] if id(p) not in on_disk]}
-                             for g in optimizer.param_groups]
-    return (stand_in, *args[1:]), kwargs
+    policies: dict = {}  # each offload policy, with its units, in the units' order
+    for unit in units:
+        if unit.offload is not None:
+            policies.setdefault(unit.offload, []).append(unit)
+    changed = None
+    for policy, its_units in policies.items():
+        out = policy.before_step(optimizer, its_units, args, kwargs)
+        if out is not None and changed is not None:
+            raise ValueError(f"one optimizer over units of two offload policies that each step "
+                             f"it their own way ({len(policies)} policies): give all its units "
+                             "one offload policy")
+        changed = out if out is not None else changed
+    return changed
 
 
 # [Note: an optimizer's state dict] torch's optimizer.state_dict() holds each parameter's
@@ -138,14 +132,13 @@ def _step_from_disk(optimizer, args, kwargs):
 # load_state_dict() raise, naming what does it right; with layout "rows" the state is FSDP2's
 # (DTensors), which DCP handles, and they work. State loaded before the first step is checked
 # at that step: every elementwise state (exp_avg...) must have its piece's shape.
-ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
-               "Adadelta", "ASGD"}
+
 
 
 def _guard_state_dicts(optimizer, units) -> None:
     if getattr(optimizer, "_zero_state_dicts_guarded", False):
         return
-    if all(u.layout.name == "rows" for u in units):  # FSDP2's layout: DTensors, nothing to guard
+    if all(u.layout.exposes_dtensors for u in units):  # FSDP2's: DTensors, nothing to guard
         optimizer._zero_state_dicts_guarded = True
         return
     if type(optimizer).__name__ in ELEMENTWISE:
@@ -164,7 +157,7 @@ def _guard_state_dicts(optimizer, units) -> None:
 
 
 def _optimizer_state_dict_pre_hook(optimizer) -> None:
-    if not _state["state_dict_access"]:
+    if not state_dict_access_granted():
         raise RuntimeError(
             "optimizer.state_dict() of an optimizer over zero's pieces holds this rank's 1-D "
             "pieces of each parameter's state, by position: DCP would keep one rank's as if "
@@ -174,7 +167,7 @@ def _optimizer_state_dict_pre_hook(optimizer) -> None:
 
 
 def _optimizer_load_state_dict_pre_hook(optimizer, state_dict):
-    if not _state["state_dict_access"]:
+    if not state_dict_access_granted():
         raise RuntimeError(
             "optimizer.load_state_dict() into an optimizer over zero's pieces would give each "
             "rank whatever pieces the dict holds (rank 0's, or whole tensors). Use "
@@ -188,7 +181,7 @@ def _refuse_whole_tensor_optimizers(optimizer, units) -> None:
         raise RuntimeError(f"torch.optim.{kind} cannot train a model sharded by zero: "
                            f"{NO_LAYOUT[kind]}. Use an optimizer that updates each parameter "
                            "on its own (AdamW, SGD, ...)")
-    piecewise = sorted({u.layout.name for u in units if u.layout.name != "whole"})
+    piecewise = sorted({u.layout.name for u in units if not u.layout.whole_parameters})
     if kind in WHOLE_TENSOR and piecewise:
         raise RuntimeError(
             f"torch.optim.{kind} reads each parameter whole ({WHOLE_TENSOR[kind]}), but "
@@ -206,27 +199,17 @@ def _after_step(optimizer, args, kwargs) -> None:
             unit.stepped = True
 
 
-@contextlib.contextmanager
-def state_dict_access():
-    """For zero's own helpers, which put full tensors in place before calling state_dict."""
-    _state["state_dict_access"] += 1
-    try:
-        yield
-    finally:
-        _state["state_dict_access"] -= 1
-
-
 def _shows_dtensors(module) -> bool:
     """Whether ``module``'s sharded parameters are DTensors of their full shape (layout
     "rows", FSDP2's): its state dict is then FSDP2's, which DCP reads right."""
     units = {registry.unit_of(p) for p in module._parameters.values()} | set(
         registry.units_on(module))
     units.discard(None)
-    return bool(units) and all(u.layout.name == "rows" for u in units)
+    return bool(units) and all(u.layout.exposes_dtensors for u in units)
 
 
 def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
-    if not _state["state_dict_access"] and not _shows_dtensors(module):
+    if not state_dict_access_granted() and not _shows_dtensors(module):
         raise RuntimeError(
             "state_dict() of a module sharded by zero would hold this rank's 1-D pieces of "
             "each parameter under the full names. Use zero.full_state_dict(model) for full "
@@ -235,7 +218,7 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
 
 
 def _load_state_dict_pre_hook(module, state_dict, prefix, *args) -> None:
-    if not _state["state_dict_access"] and not _shows_dtensors(module):
+    if not state_dict_access_granted() and not _shows_dtensors(module):
         raise RuntimeError(
             "load_state_dict() on a module sharded by zero would copy full tensors into this "
             "rank's 1-D pieces. Use zero.load_full_state_dict(model, state) for a full state "

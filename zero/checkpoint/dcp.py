@@ -22,6 +22,7 @@ on every rank and none hangs (``zero/checkpoint/loading.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -36,11 +37,12 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from zero import comm, disk_offload, torch_hooks
+from zero import comm
 from zero.checkpoint import checks, reader
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
 from zero.core import registry
+from zero.core.checks import state_dict_access
 from zero.core.registry import units_of
 from zero.core.rows import local_tensor
 
@@ -155,7 +157,7 @@ def entries_of(model: nn.Module) -> dict:
                 shown.append(p)
         unit.use(shown)
     try:
-        with torch_hooks.state_dict_access():
+        with state_dict_access():
             entries = model.state_dict(keep_vars=True)
     finally:
         for unit in units:
@@ -189,15 +191,31 @@ def _model_state(model: nn.Module, units) -> dict:
             for name, t in entries_of(model).items()}  # tied: every name, as FSDP2
 
 
+@contextlib.contextmanager
+def resident(optimizer):
+    """All of ``optimizer``'s state in memory for the duration: each offload policy of its
+    units is asked for it (disk offload reads its files, and writes them back after)."""
+    policies: dict = {}  # policy -> its units, in the optimizer's order
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = registry.unit_of(p)
+            if unit is not None and unit.offload is not None:
+                policies.setdefault(unit.offload, {})[unit] = None
+    with contextlib.ExitStack() as stack:
+        for policy, units in policies.items():
+            stack.enter_context(policy.resident(optimizer, list(units)))
+        yield
+
+
 def _optim_state(model: nn.Module, optimizer, units) -> dict:
     """FSDP2's optimizer state dict: state and param groups keyed by parameter name."""
-    with disk_offload.resident(optimizer):  # (DiskOffload: the state back from its files)
+    with resident(optimizer):  # (DiskOffload: the state back from its files)
         return _optim_state_in_memory(model, optimizer, units)
 
 
 def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     names = first_names(model)
-    with torch_hooks.state_dict_access():  # (torch_hooks.py's note: refused to users)
+    with state_dict_access():  # (refused to users: zero/torch_hooks.py)
         saved = optimizer.state_dict()  # keyed by position in the param groups
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}

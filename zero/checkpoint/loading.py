@@ -27,12 +27,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from zero import comm, disk_offload, torch_hooks
+from zero import comm
 from zero.checkpoint import checks, reader, safe_pickle
 from zero.checkpoint import directory as ckdir
-from zero.checkpoint.dcp import check_optimizer, entries_of, first_names
+from zero.checkpoint.dcp import check_optimizer, entries_of, first_names, resident
 from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
 from zero.core import registry
+from zero.core.checks import state_dict_access
 from zero.core.registry import units_of
 
 
@@ -302,6 +303,6 @@ def _load_optim(optimizer, names, saved_state: dict, pieces: dict, elementwise, 
                 if k not in elementwise.get(names[p], ())}
         if kept or p in pieces:
             state[i] = {**kept, **pieces.get(p, {})}
-    with torch_hooks.state_dict_access(), disk_offload.resident(optimizer):
-        # (refused to users: torch_hooks.py's note; DiskOffload: then written to its files)
+    with state_dict_access(), resident(optimizer):
+        # (refused to users: zero/torch_hooks.py; DiskOffload: then written to its files)
         optimizer.load_state_dict({"state": state, "param_groups": groups})

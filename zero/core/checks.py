@@ -8,7 +8,30 @@ copy whose parameters no longer view its shards. Each raises, naming the fix.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from zero.core.rows import local_tensor
+
+# How many of zero's own helpers are reading or writing state dicts right now, in this
+# thread: they put full tensors (or FSDP2's DTensors) in place first, so the guards on
+# ``state_dict()`` / ``load_state_dict()`` (``zero/torch_hooks.py``) let them through.
+_STATE_DICT_ACCESS: contextvars.ContextVar[int] = contextvars.ContextVar("zero_state_dicts",
+                                                                         default=0)
+
+
+@contextlib.contextmanager
+def state_dict_access():
+    """For zero's own helpers, which put full tensors in place before calling state_dict."""
+    token = _STATE_DICT_ACCESS.set(_STATE_DICT_ACCESS.get() + 1)
+    try:
+        yield
+    finally:
+        _STATE_DICT_ACCESS.reset(token)
+
+
+def state_dict_access_granted() -> bool:
+    return _STATE_DICT_ACCESS.get() > 0
 
 
 def _key(t) -> int:

@@ -69,6 +69,8 @@ class FlatLayout:
     name = "flat"
     copies = False  # the all-gather's buffer is the one the parameters view
     empty_pieces_get_grads = True  # a rank that holds none of a parameter gets an empty .grad
+    exposes_dtensors = False  # parameters shown as DTensors of their full shape (FSDP2's)
+    whole_parameters = False  # each parameter whole on one rank, in its own shape
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
         if world_size < 1:

@@ -59,6 +59,8 @@ class RowsLayout:
     name = "rows"
     copies = True  # gathered rank-major, computed parameter-major
     empty_pieces_get_grads = True  # FSDP2 gives an empty local gradient to a rank with no rows
+    exposes_dtensors = True  # parameters shown as DTensors of their full shape (FSDP2's)
+    whole_parameters = False  # each parameter whole on one rank, in its own shape
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
         self.shapes = [torch.Size(s) for s in shapes]

@@ -41,6 +41,8 @@ class WholeLayout:
     name = "whole"
     copies = False  # each parameter is contiguous in the gathered buffer
     empty_pieces_get_grads = False  # only the owner's optimizer steps a parameter
+    exposes_dtensors = False  # parameters shown as DTensors of their full shape (FSDP2's)
+    whole_parameters = True  # each parameter whole on one rank, in its own shape
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
         self.shapes = [torch.Size(s) for s in shapes]
