@@ -49,7 +49,7 @@ def _mib(x: float) -> str:
 def memory_table(rows, n, stage_of) -> list[str]:
     out = ["| system | " + " | ".join(CATEGORIES) + " | peak total | model states peak "
            "| + comm buffers | paper fp32 | paper mixed (K=12) | peak RSS |",
-           "|---" * (len(CATEGORIES) + 8) + "|"]
+           "|---" * (len(CATEGORIES) + 7) + "|"]
     for r in rows:
         cats = [sum(r["peaks"].get(c, 0) for c in names) for names in CATEGORIES.values()]
         stage = stage_of[r["kind"]]

@@ -1,0 +1,62 @@
+"""The learner's path: the pages render, the commands run as the text says, and the numbers a
+page quotes are the ones its command prints (issue 34).
+
+Kept beside tests/test_notes.py, which holds the notes' code links and figures.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))
+DELIMITER = re.compile(r"\s*\|?(\s*:?-{3,}:?\s*\|)+\s*(:?-{3,}:?)?\s*")
+
+
+def cells(row: str) -> int:
+    """How many cells a markdown table row has (an escaped ``\\|`` is not a border)."""
+    s = row.strip().removeprefix("|")
+    s = s[:-1] if s.endswith("|") and not s.endswith("\\|") else s
+    return len(re.split(r"(?<!\\)\|", s))
+
+
+def broken_tables(text: str) -> list[str]:
+    """Each table whose delimiter row has not as many cells as its header (it does not render)."""
+    lines = text.splitlines()
+    return [f"line {i + 1}: header {cells(lines[i - 1])} cells, delimiter {cells(lines[i])}"
+            for i in range(1, len(lines))
+            if DELIMITER.fullmatch(lines[i]) and lines[i - 1].strip().startswith("|")
+            and cells(lines[i]) != cells(lines[i - 1])]
+
+
+def markdown_files() -> list[str]:
+    return sorted(glob.glob(os.path.join(ROOT, "notes", "**", "*.md"), recursive=True)
+                  + glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.md"))
+                  + [os.path.join(ROOT, "README.md")])
+
+
+def test_every_committed_table_renders():
+    bad = {os.path.relpath(f, ROOT): b for f in markdown_files() if (b := broken_tables(open(f).read()))}
+    assert not bad, bad
+
+
+def test_the_table_rule_catches_a_delimiter_one_cell_long():
+    assert broken_tables("| a | b |\n|---|---|\n| 1 | 2 |") == []
+    assert broken_tables("| a | b |\n|---|---|---|\n| 1 | 2 |") != []
+    assert broken_tables("| a \\| b | c |\n|---|---|") == []
+
+
+def test_the_memory_table_report_writes_renders():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import report  # benchmarks/report.py
+
+    row = dict(kind="zero3", peaks={}, memory={"Total": 1}, model_states_peak=1, with_comm_peak=1,
+               psi=1000, rss=1)
+    table = report.memory_table([row], 2, {"zero3": 3})
+    assert broken_tables("\n".join(table)) == []
+    assert cells(table[0]) == cells(table[2])  # the data row too
