@@ -60,3 +60,23 @@ def test_the_memory_table_report_writes_renders():
     table = report.memory_table([row], 2, {"zero3": 3})
     assert broken_tables("\n".join(table)) == []
     assert cells(table[0]) == cells(table[2])  # the data row too
+
+
+RUNNABLE = sorted(p for p in glob.glob(os.path.join(ROOT, "notes", "exercises", "**", "*.py"),
+                                       recursive=True)
+                  if 'if __name__ == "__main__"' in open(p).read() and "check.py" not in p)
+
+
+def test_the_exercise_files_that_say_run_me_exist():
+    assert [os.path.relpath(p, ROOT) for p in RUNNABLE] == [
+        "notes/exercises/5_write_stage3.py", "notes/exercises/solutions/5_write_stage3.py"]
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: os.path.relpath(p, ROOT))
+def test_an_exercise_file_runs_directly(path, tmp_path):
+    """``python notes/exercises/5_write_stage3.py`` from anywhere: no ``import common`` failure."""
+    env = dict(os.environ, ZERO_CHECK="0", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, path], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bitwise equal to torch DDP's after every step: yes" in done.stdout, done.stdout
