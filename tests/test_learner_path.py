@@ -80,3 +80,15 @@ def test_an_exercise_file_runs_directly(path, tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bitwise equal to torch DDP's after every step: yes" in done.stdout, done.stdout
+
+
+def test_what_a_page_says_the_readme_says_is_in_the_readme():
+    """"The README says to X": X's first words are in the README (chapter 1 once cited advice
+    that the README does not give)."""
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split()).lower()
+    claims = []
+    for page in glob.glob(os.path.join(ROOT, "notes", "**", "*.md"), recursive=True):
+        text = " ".join(open(page).read().split())
+        for m in re.finditer(r"README (?:says|advises|recommends) (?:to |that )?((?:[\w`']+ ){2}[\w`']+)", text):
+            claims.append((os.path.relpath(page, ROOT), m.group(1)))
+    assert not [c for c in claims if c[1].lower() not in readme], claims
