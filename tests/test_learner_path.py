@@ -92,3 +92,23 @@ def test_what_a_page_says_the_readme_says_is_in_the_readme():
         for m in re.finditer(r"README (?:says|advises|recommends) (?:to |that )?((?:[\w`']+ ){2}[\w`']+)", text):
             claims.append((os.path.relpath(page, ROOT), m.group(1)))
     assert not [c for c in claims if c[1].lower() not in readme], claims
+
+
+def test_chapter_6_counts_what_its_command_runs():
+    """Ch. 6's timed steps and loss values are those of ``python benchmarks/compare_stages.py``
+    with its defaults, and those of the quoted run are in its results file."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import compare_stages
+
+    text = " ".join(open(os.path.join(ROOT, "notes", "06-comparison.md")).read().split())
+    steps, warmup = compare_stages.STEPS, compare_stages.WARMUP
+    total = warmup + 2 + steps  # warm-up, the step whose bytes are counted, the tracked one, timed
+    assert f"the median of {steps} timed steps" in text
+    assert f"agree bitwise over {2 * total} (rank, step) values" in text
+    assert f"the run's {total} steps: {warmup} of warm-up" in text
+    quoted = re.search(r"results of the run quoted below are in \[`([^`]+)`\]", text).group(1)
+    result = open(os.path.join(ROOT, quoted)).read()
+    timed = int(re.search(r"--steps (\d+)", result).group(1))
+    assert f"with `--steps {timed}`, has {warmup + 2 + timed} steps and says " \
+           f"{2 * (warmup + 2 + timed)}" in text
+    assert f"agree bitwise over {2 * (warmup + 2 + timed)} (rank, step)" in result
