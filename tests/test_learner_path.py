@@ -112,3 +112,32 @@ def test_chapter_6_counts_what_its_command_runs():
     assert f"with `--steps {timed}`, has {warmup + 2 + timed} steps and says " \
            f"{2 * (warmup + 2 + timed)}" in text
     assert f"agree bitwise over {2 * (warmup + 2 + timed)} (rank, step)" in result
+
+
+CORE = ["00-start-here.md", "01-flat-parameter.md", "02-collectives-and-the-ledger.md",
+        "03-stage1.md", "04-stage2.md", "05-stage3.md", "06-comparison.md"]
+
+
+def sentences(name: str) -> list[str]:
+    text = " ".join(open(os.path.join(ROOT, "notes", name)).read().split())
+    return re.split(r"(?<=[.;:])\s+(?=[A-Z(\[`*])", text)
+
+
+def test_a_bitwise_claim_against_fsdp2_says_at_which_world_size():
+    """Bitwise equality with FSDP2 holds at N = 2 (chapter 7); elsewhere only within 1e-6."""
+    bare = [(name, s) for name in CORE for s in sentences(name)
+            if re.search(r"bitwise equal to (it|FSDP2)|bitwise.{0,40}FSDP2", s)
+            and not re.search(r"world size 2|N = 2|at 2 ranks|on 2 (gloo )?ranks", s)]
+    assert not bare, bare
+
+
+def test_chapter_4_orders_the_backward_as_the_trace_does():
+    """Ch. 4: the next unit's pre_backward comes before the previous reduce-scatter's done."""
+    rows = [line[8:].split()[:2] for line in
+            open(os.path.join(ROOT, "notes", "figures", "trace_stage2.txt")) if re.match(r" +\d+\.\d\d  ", line)]
+    events = [f"{unit} {event}" for unit, event in rows if unit.startswith("blocks")]
+    waits_in_pre_backward = events.index("blocks.0 pre_backward") < [
+        i for i, e in enumerate(events) if e == "blocks.1 reduce-scatter"][-1]  # done
+    text = " ".join(open(os.path.join(ROOT, "notes", "04-stage2.md")).read().split())
+    said = "the `reduce-scatter done` row after the `pre_backward` row" in text
+    assert waits_in_pre_backward and said
