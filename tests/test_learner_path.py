@@ -141,3 +141,19 @@ def test_chapter_4_orders_the_backward_as_the_trace_does():
     text = " ".join(open(os.path.join(ROOT, "notes", "04-stage2.md")).read().split())
     said = "the `reduce-scatter done` row after the `pre_backward` row" in text
     assert waits_in_pre_backward and said
+
+
+def test_chapter_5_working_set_adds_up_to_what_the_schedule_prints():
+    """Ch. 5's working-set sum: each partial sum right, and the last is the schedule's
+    "in flight", the gradients at rest its "grads"."""
+    text = " ".join(open(os.path.join(ROOT, "notes", "05-stage3.md")).read().split())
+    m = re.search(r"That is (\d+) \+ 2 × (\d+) = (\d+) bytes of full parameters and (\d+) \+ "
+                  r"6 × (\d+) = (\d+) of gradients, (\d+) in all\. The state at rest already counts "
+                  r"(\d+) bytes of gradients.*?worst instant is (\d+) − (\d+) = (\d+) bytes above it",
+                  text)
+    root, block, params, full_grad, shard, grads, total, rest, w, r, above = map(int, m.groups())
+    assert root + 2 * block == params and full_grad + 6 * shard == grads
+    assert params + grads == total == w and rest == r and w - r == above
+    figure = re.search(r"measured, without transients.*?grads (\d+),.*?at rest (\d+) \+ in flight "
+                       r"(\d+) =", text)
+    assert (rest, above) == (int(figure.group(1)), int(figure.group(3)))
