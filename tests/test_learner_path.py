@@ -157,3 +157,23 @@ def test_chapter_5_working_set_adds_up_to_what_the_schedule_prints():
     figure = re.search(r"measured, without transients.*?grads (\d+),.*?at rest (\d+) \+ in flight "
                        r"(\d+) =", text)
     assert (rest, above) == (int(figure.group(1)), int(figure.group(3)))
+
+
+def test_chapter_9_table_1_is_the_papers_formula_at_7_5b():
+    """Each "paper" cell of ch. 9's Table 1 is the formula at Ψ = 7.5e9 (2 + 2 + 12 bytes,
+    sharded as the stage says), rounded to what is printed; an unrounded cell is exact, and
+    each ratio is ours over the printed cell."""
+    psi, text = 7.5e9, open(os.path.join(ROOT, "notes", "09-scale.md")).read()
+    formula = {1: lambda n: 4 * psi + 12 * psi / n, 2: lambda n: 2 * psi + 14 * psi / n,
+               3: lambda n: 16 * psi / n}
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", text.split("## Table 1", 1)[1], re.M)
+    assert [int(n) for n, _ in rows] == [4, 16, 64, 1024]
+    for n, cells_ in rows:
+        for stage, cell in enumerate(cells_.split(" | "), 1):
+            paper, ours, ratio = re.fullmatch(r"([\d.]+)\*? → ([\d.]+) \(([\d.]+)\)", cell).groups()
+            exact = formula[stage](int(n)) / 1e9
+            decimals = len(paper.split(".")[1]) if "." in paper else 0
+            assert abs(float(paper) - exact) <= 0.5 * 10 ** -decimals + 1e-9, (n, stage, paper, exact)
+            shown = 0.5 * 10 ** -len(ours.split(".")[1]) / float(paper)  # ours is rounded
+            assert abs(float(ours) / float(paper) - float(ratio)) <= shown + 0.0005, cell
+    assert "| 4 | 52.5 → 52.19 (0.994) | 41.25* →" in text  # N = 4, P_os+g: unrounded, starred
