@@ -177,3 +177,19 @@ def test_chapter_9_table_1_is_the_papers_formula_at_7_5b():
             shown = 0.5 * 10 ** -len(ours.split(".")[1]) / float(paper)  # ours is rounded
             assert abs(float(ours) / float(paper) - float(ratio)) <= shown + 0.0005, cell
     assert "| 4 | 52.5 → 52.19 (0.994) | 41.25* →" in text  # N = 4, P_os+g: unrounded, starred
+
+
+def test_a_trace_excerpt_is_rows_of_the_committed_one():
+    """A quoted part of a trace (a block opening with its column header) is, but for the times,
+    consecutive lines of the trace file the page links just before it."""
+    times = re.compile(r"^ *\d+\.\d\d  ", re.M)
+    excerpts = 0
+    for page in glob.glob(os.path.join(ROOT, "notes", "**", "*.md"), recursive=True):
+        text = open(page).read()
+        for m in re.finditer(r"```\n( +ms  unit .*?)```", text, re.S):
+            stage = re.findall(r"figures/trace_stage(\d)\.txt", text[:m.start()])[-1]
+            trace = open(os.path.join(ROOT, "notes", "figures", f"trace_stage{stage}.txt")).read()
+            body = m.group(1).split("\n", 1)[1]  # after the column header
+            assert times.sub("  ", body) in times.sub("  ", trace), (page, stage)
+            excerpts += 1
+    assert excerpts >= 2
