@@ -193,3 +193,20 @@ def test_a_trace_excerpt_is_rows_of_the_committed_one():
             assert times.sub("  ", body) in times.sub("  ", trace), (page, stage)
             excerpts += 1
     assert excerpts >= 2
+
+
+def test_the_2r_of_zero_1_and_2_is_argued_once():
+    """Why ZeRO-1/2 send DDP's 2R (reduce-scatter R + all-gather R) is argued on the start page
+    only; other pages state the figure and link there."""
+    pages = glob.glob(os.path.join(ROOT, "notes", "**", "*.md"), recursive=True)
+    arguing = []
+    for page in pages + [os.path.join(ROOT, "README.md")]:
+        for para in open(page).read().split("\n\n"):
+            para = " ".join(para.split())
+            if "2R" in para and para.count("(R)") >= 2 and "all-gather" in para:
+                arguing.append(os.path.relpath(page, ROOT))
+    assert arguing == ["notes/00-start-here.md"], arguing
+    linked = [os.path.relpath(p, ROOT) for p in pages if "#traffic-2r-and-3r" in open(p).read()]
+    assert len(linked) >= 5, linked
+    heading = "## Traffic: 2R and 3R"  # GitHub's anchor for it: traffic-2r-and-3r
+    assert heading in open(os.path.join(ROOT, "notes", "00-start-here.md")).read()
