@@ -63,7 +63,7 @@ def memory_table(rows, n, stage_of) -> list[str]:
 
 def traffic_table(rows, n, stage_of) -> list[str]:
     ops = ops_of(rows)
-    out = ["| system | " + " | ".join(ops) + " | total | measured / Ψ | paper / Ψ | our ledger |",
+    out = ["| system | " + " | ".join(ops) + " | total | measured / R | paper / R | our ledger |",
            "|---" * (len(ops) + 5) + "|"]
     ring = (n - 1) / n
     for r in rows:
@@ -187,6 +187,8 @@ def write(rows, args, argv, stage_of) -> None:
         body = ["", "## Memory per rank (MiB; the largest rank; MemTracker: each category's own peak, then the peak total)", "",
                 *memory_table(rows, n, stage_of), "",
                 "## Bytes sent per rank per step (MiB; CommDebugMode, ring accounting)", "",
+                "R = 4 x Ψ x (N-1)/N bytes, what one rank sends in an all-gather of every fp32 "
+                "parameter (notes/00-start-here.md); measured / R counts elements.", "",
                 *traffic_table(rows, n, stage_of)]
         if all(r["step_time"] for r in rows):
             body += ["", f"## Step time (median of {args.steps} steps, slowest rank)", "",
@@ -224,7 +226,7 @@ def write(rows, args, argv, stage_of) -> None:
 
 def sweep_tables(rows, stage_of) -> list[str]:
     out = ["", "## Model-state peak per rank (MiB) and bytes sent per step (MiB)", "",
-           "| Ψ | N | system | model states peak | paper fp32 | sent per step | measured / Ψ |",
+           "| Ψ | N | system | model states peak | paper fp32 | sent per step | measured / R |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         n, ring = r["world_size"], (r["world_size"] - 1) / r["world_size"]

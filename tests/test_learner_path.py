@@ -210,3 +210,16 @@ def test_the_2r_of_zero_1_and_2_is_argued_once():
     assert len(linked) >= 5, linked
     heading = "## Traffic: 2R and 3R"  # GitHub's anchor for it: traffic-2r-and-3r
     assert heading in open(os.path.join(ROOT, "notes", "00-start-here.md")).read()
+
+
+def test_the_traffic_tables_print_r_for_the_traffic_unit():
+    """Ψ is a count of parameters; a column of traffic divided by the unit is "/ R"."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import report
+
+    row = dict(kind="zero3", sent={"all_gather": 8, "reduce_scatter": 4}, elements=3, psi=2,
+               ledger=12)
+    header = report.traffic_table([row], 2, {"zero3": 3})[0]
+    assert "measured / R" in header and "/ Ψ" not in header
+    for f in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.md")):
+        assert "/ Ψ |" not in open(f).read(), f
