@@ -223,3 +223,28 @@ def test_the_traffic_tables_print_r_for_the_traffic_unit():
     assert "measured / R" in header and "/ Ψ" not in header
     for f in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.md")):
         assert "/ Ψ |" not in open(f).read(), f
+
+
+# The learner's path, in reading order (the start page's "The path"): where a term is first met.
+PATH_PAGES = ["00-start-here.md", "road/README.md", "01-flat-parameter.md",
+              "02-collectives-and-the-ledger.md", "03-stage1.md", "04-stage2.md", "05-stage3.md",
+              "06-comparison.md"]
+TERMS = {"R": r"(?<![\w/])\d*(?:\.\d+)?R\b", "reshard_after_forward": r"reshard_after_forward",
+         "agreement": r"\bagree(?:ment| on the next step)", "used-parameter flags":
+         r"used-parameter flags|used-flags", "P_os": r"P_os", "reduce_dtype": r"reduce_dtype",
+         "router": r"\brouter"}
+
+
+def test_a_term_is_defined_or_linked_where_a_learner_first_meets_it():
+    """At a term's first use on the path, its definition is there (in bold, or the glossary
+    entry) or a link to the start page's glossary is."""
+    text = "\n".join(open(os.path.join(ROOT, "notes", p)).read() for p in PATH_PAGES)
+    bad = []
+    for term, pattern in TERMS.items():
+        first = re.search(pattern, text)
+        assert first, term
+        around = text[max(0, first.start() - 300): first.end() + 300]
+        if not re.search(r"\*\*[^*]*" + re.escape(term.split()[0]) + r"[^*]*\*\*|"
+                         r"00-start-here\.md#|\]\(#", around):
+            bad.append((term, text[first.start() - 80: first.end() + 40]))
+    assert not bad, bad
