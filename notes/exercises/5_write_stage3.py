@@ -1,17 +1,21 @@
 """Exercise 5: write ZeRO-3 from ZeRO-2.  python notes/exercises/check.py 5
 
-A copy of road step 3 (ZeRO-2): every rank still keeps every unit's full parameters, from
-the first forward to the end of training. Make it ZeRO-3: a unit's full parameters exist only
-while something needs them, that is, during its forward and again during its backward. Three
-facts you will need (the start page's glossary has each):
+Do it after road step 3 and before step 4, which is its solution. This file is road step 3
+(ZeRO-2): every rank keeps every unit's full parameters from the first forward to the end of
+training. Make it ZeRO-3: a unit's full parameters exist only while something needs them.
+The check says what it sees and what is still missing; run it after each change.
 
-- ``t.untyped_storage().resize_(0)`` gives back a tensor's bytes but keeps the tensor, and so
-  every view of it that autograd saved for backward; ``resize_(nbytes)`` gets them back,
-  with garbage in them.
-- A hook on a unit's forward output (``output.register_hook``) runs when backward reaches it,
-  before any of the unit's own backward.
-- Autograd counts every in-place write it sees to a tensor it saved, and refuses to use the
-  tensor after one; a write to ``t.data`` is one it does not see.
+Questions to answer on the way (the start page's glossary has the tools, not the answers):
+
+1. When is a unit done with its full parameters in forward, and what in ``torch.nn.Module``
+   lets the unit act at that moment?
+2. How can a rank give back the bytes of a tensor that autograd saved views of for backward,
+   without breaking those views?
+3. Backward needs the values again. What is the first moment backward reaches a unit, before
+   any of its own gradient is computed, and what can run code at that moment?
+4. When the values come back, can you write them without autograd noticing? Try the plain way
+   first and read what the check reports.
+5. When is backward done with the unit's parameters for good?
 
 Keep the bits (the check compares every parameter with DDP's after every step), keep no full
 parameters after the step, and let no more than the root and one block hold full parameters
@@ -38,7 +42,7 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, full_grad):
         ctx.unit.reduce(full_grad)  # now; then full_grad is dropped: we keep our slice only
-        # TODO (exercise 5): and the full parameters?
+        # TODO (exercise 5): does anything still need the unit's full parameters now?
         return None, None  # the shard's gradient is set by reduce()
 
 
@@ -60,7 +64,8 @@ class Unit:
         module.register_parameter("flat_shard", self.shard)
         self.full = None
         module.register_forward_pre_hook(self.pre_forward)
-        # TODO (exercise 5): something must happen when the unit's forward is over.
+        # TODO (exercise 5): nothing here acts when the unit's forward is over (question 1),
+        # nor when backward reaches the unit (question 3).
 
     def pre_forward(self, module, args):
         views = self.layout.views(Gather.apply(self.shard, self))
@@ -68,8 +73,8 @@ class Unit:
             setattr(mod, attr, views[i])  # the module computes with views of the full buffer
 
     def gather(self, phase):
-        # TODO (exercise 5): in backward, the unit's tensor already exists, and autograd
-        # saved views of it; refill it rather than replace it, where autograd won't object.
+        # TODO (exercise 5): called again in backward, which tensor must the values land in
+        # for the views forward handed out (and autograd saved) to see them? (question 4)
         self.full = self.shard.new_empty(self.layout.padded_numel)
         # (S,) on every rank -> (N*S,) on every rank, rank r's shard at [r*S, (r+1)*S)
         comm.all_gather(self.full, self.shard.detach(), unit=self.name, phase=phase)
