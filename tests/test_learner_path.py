@@ -248,3 +248,118 @@ def test_a_term_is_defined_or_linked_where_a_learner_first_meets_it():
                          r"00-start-here\.md#|\]\(#", around):
             bad.append((term, text[first.start() - 80: first.end() + 40]))
     assert not bad, bad
+
+
+# ---- the reading time of the path to the goal ---------------------------------------------
+# Rates: prose 200 words a minute, tables 100, code and program output 50; a road step's run
+# (8 s) and its printout (about 150 words) RUN minutes; the exercise's work EXERCISE minutes.
+
+RATES = {"prose": 200, "table": 100, "code": 50}
+RUN, EXERCISE = 3, 30
+
+
+def word_kinds(text: str, code: bool = False) -> dict[str, int]:
+    """Words of prose, of tables and of code blocks in markdown (all code for a .py file)."""
+    out = dict(prose=0, table=0, code=0)
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        kind = "code" if code or fenced else "table" if line.lstrip().startswith("|") else "prose"
+        out[kind] += len(line.split())
+    return out
+
+
+def read(rel: str) -> str:
+    return open(os.path.join(ROOT, rel)).read()
+
+
+def core(rel: str) -> str:
+    """A chapter without its sections marked *On a second reading*."""
+    parts = re.split(r"(?m)^(?=## )", read(rel))
+    return "".join(p for p in parts if "*On a second reading" not in p.split("\n\n", 2)[1:2][0]
+                   ) if len(parts) > 1 else parts[0]
+
+
+def changed(a: str, b: str) -> str:
+    """The lines a diff of two road steps shows (both sides)."""
+    old, new = read(a).splitlines(), read(b).splitlines()
+    import difflib
+    return "\n".join(s[1:] for s in difflib.unified_diff(old, new, lineterm="", n=0)
+                     if s[:1] in "+-" and not s.startswith(("+++", "---")))
+
+
+def road_split() -> tuple[str, str]:
+    text = read("notes/road/README.md")
+    at = text.index("**ZeRO-3** frees")
+    return text[:at], text[at:]
+
+
+def path_steps() -> list[tuple[str, dict[str, int], int]]:
+    """(step, words by kind, minutes of running and doing) along the path to the goal."""
+    start = read("notes/00-start-here.md").split("## From the road's names")[0]
+    road_a, road_b = road_split()
+    ex = read("notes/exercises/5_write_stage3.py")
+    ex_doc = ex[: ex.index('"""', 3) + 3]
+    ex_readme = re.search(r"\*\*5\. Write ZeRO-3.*?\n\n", read("notes/exercises/README.md"), re.S).group(0)
+
+    def add(*counts):
+        return {k: sum(c[k] for c in counts) for k in RATES}
+
+    r = "notes/road/"
+    return [
+        ("this page", word_kinds(start), 0),
+        ("the road, steps 1-3", add(word_kinds(road_a), word_kinds(read(r + "1_ddp.py"), True),
+                                    word_kinds(changed(r + "1_ddp.py", r + "2_zero1.py"), True),
+                                    word_kinds(changed(r + "2_zero1.py", r + "3_zero2.py"), True)),
+         3 * RUN),
+        ("exercise 5", add(word_kinds(ex_readme), word_kinds(ex_doc)), EXERCISE),
+        ("the road, steps 4-5", add(word_kinds(road_b),
+                                    word_kinds(changed(r + "3_zero2.py", r + "4_zero3.py"), True),
+                                    word_kinds(changed(r + "4_zero3.py", r + "5_prefetch.py"), True)),
+         2 * RUN),
+        ("zero/minimal.py", word_kinds(read("zero/minimal.py"), True), 0),
+        ("chapter 5's core", word_kinds(core("notes/05-stage3.md")), 0),
+    ]
+
+
+def path_minutes() -> list[tuple[str, float]]:
+    return [(name, sum(w[k] / RATES[k] for k in RATES) + extra) for name, w, extra in path_steps()]
+
+
+
+def test_the_start_page_states_the_paths_minutes_from_its_words():
+    """Each step's minutes on the start page, and their total, are the word counts' (within
+    15% or 2 minutes), and the path to the goal takes about two hours."""
+    page = read("notes/00-start-here.md")
+    path = page[page.index("## The path"):]
+    said = [int(m) for m in re.findall(r"^\d\. .*?\((\d+) min\)\.?$",
+                                       re.sub(r"\n   ", " ", path.split("**Optional")[0]), re.M)]
+    counted = path_minutes()
+    assert len(said) == len(counted), (said, counted)
+    for s, (name, m) in zip(said, counted):
+        assert abs(s - m) <= max(2, 0.15 * m), (name, s, round(m, 1))
+    total = int(re.search(r"about 2 hours\*\* \((\d+) minutes\)", path).group(1))
+    assert abs(total - sum(m for _, m in counted)) <= 3 and total <= 135
+    intro = int(re.search(r"About (\d+) minutes\.", page).group(1))
+    assert intro == said[0]
+    readme = " ".join(read("README.md").split())
+    assert f"about 2 hours ({total} minutes)" in readme
+
+
+def test_exercise_5_comes_between_road_steps_3_and_4():
+    page = " ".join(read("notes/00-start-here.md").split())
+    steps = page[page.index("## The path"):]
+    assert steps.index("steps 1 to 3") < steps.index("Exercise 5") < steps.index("steps 4 and 5")
+    doc = read("notes/exercises/5_write_stage3.py")
+    assert "after road step 3 and before step 4" in " ".join(doc.split())
+
+
+if __name__ == "__main__":
+    total = 0.0
+    for (name, w, extra), (_, m) in zip(path_steps(), path_minutes()):
+        total += m
+        print(f"{name:22s} prose {w['prose']:5d} tables {w['table']:4d} code {w['code']:5d} "
+              f"+ {extra:2d} min  = {m:5.1f} min")
+    print(f"{'total':22s} {total:.1f} min")
