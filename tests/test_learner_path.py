@@ -363,3 +363,26 @@ if __name__ == "__main__":
         print(f"{name:22s} prose {w['prose']:5d} tables {w['table']:4d} code {w['code']:5d} "
               f"+ {extra:2d} min  = {m:5.1f} min")
     print(f"{'total':22s} {total:.1f} min")
+
+
+def test_the_predict_questions_state_their_premises_and_instants():
+    """The predict-then-check questions come after chapter 5, state the package's choices they
+    depend on, name each instant by a row the trace prints, and the answers explain wrong ones."""
+    text = " ".join(read("notes/exercises/README.md").split())
+    part = text[text.index("## Predict, then check"):]
+    for premise in ("A warm-up step runs first", "prefetch order learned in the previous iteration",
+                    "The root keeps its parameters", "in place", "as the next unit's backward begins"):
+        assert premise in part, premise
+    assert "after [chapter 5](../05-stage3.md)'s core" in part
+    questions = re.split(r" (?=\d\. )", part[part.index("The questions"):])[1:]
+    assert len(questions) == 5
+    traces = {k: read(f"notes/figures/trace_stage{k}.txt") for k in (1, 2, 3)}
+    for q in questions[2:]:  # 3 to 5 are at an instant: a row of the trace, in backticks
+        row = re.search(r"\(the row `([^`]+)`", q).group(1)
+        unit, _, event = row.partition(" ") if row.startswith(("root", "blocks")) else ("", "", row)
+        assert any(re.search(rf"^ *[\d.]+  {re.escape(unit)} +{re.escape(event)}", t, re.M)
+                   for t in traces.values()), row
+    answers = read("notes/exercises/solutions/predict.md")
+    for k in range(1, 6):
+        block = answers.split(f"\n{k}. ")[1].split(f"\n{k + 1}. ")[0]
+        assert re.search(r"^   - \*[^*]+\*[^\n]*?: ", block, re.M), f"question {k}: no wrong answer explained"
