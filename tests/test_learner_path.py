@@ -386,3 +386,18 @@ def test_the_predict_questions_state_their_premises_and_instants():
     for k in range(1, 6):
         block = answers.split(f"\n{k}. ")[1].split(f"\n{k + 1}. ")[0]
         assert re.search(r"^   - \*[^*]+\*[^\n]*?: ", block, re.M), f"question {k}: no wrong answer explained"
+
+
+TRAFFIC_IN_PSI = re.compile(r"in Ψ\b|= \d+\.\d{3,4} Ψ\b|/ Ψ \|")
+
+
+def test_traffic_is_printed_in_r_not_in_psi():
+    """Ψ counts parameters; traffic divided by its unit is printed as R (the start page)."""
+    files = (glob.glob(os.path.join(ROOT, "notes", "figures", "*.txt"))
+             + glob.glob(os.path.join(ROOT, "notes", "figures", "*.py"))
+             + [os.path.join(ROOT, "notes", p) for p in PATH_PAGES])
+    bad = [(os.path.relpath(f, ROOT), m.group(0)) for f in files
+           for line in open(f).read().splitlines() if not line.startswith("all-gathers + reduce")
+           and "parameters =" not in line  # (a share of the parameters: a count)
+           for m in TRAFFIC_IN_PSI.finditer(line)]
+    assert not bad, bad

@@ -71,7 +71,7 @@ def main():
     total = sum(r.sent_bytes for r in records)
     big = sum(r.sent_bytes for r in records if r.op in ("all_gather", "reduce_scatter"))
     print(f"\nsent_bytes: {total} in all; {big} in all-gathers and reduce-scatters = "
-          f"{big / (4 * psi * (WORLD_SIZE - 1) / WORLD_SIZE):.4f} Ψ (fp32, ring)")
+          f"{big / (4 * psi * (WORLD_SIZE - 1) / WORLD_SIZE):.4f} R (R = 4 x Ψ x (N-1)/N bytes)")
     print("  by (op, phase): " + ", ".join(
         f"{op}/{ph} {sum(r.sent_bytes for r in records if (r.op, r.phase) == (op, ph))}"
         for op, ph in sorted({(r.op, r.phase) for r in records})))
@@ -79,7 +79,7 @@ def main():
     print(f"\nPart 2: bytes sent per step and rank, N = {WORLD_SIZE} (CommBytes = CommDebugMode "
           "+ ring accounting)\n")
     print(f"step {STEPS - 1} of steps 0..{STEPS - 1}; 'steps' = CommBytes of every step\n")
-    print(f"{'system':<7} {'CommBytes':>9} {'ledger':>7} {'in Ψ':>6}  calls; by op; steps")
+    print(f"{'system':<7} {'CommBytes':>9} {'ledger':>7} {'in R':>6}  calls; by op; steps")
     for kind in KINDS:
         sent, calls, elements, ledger, unknown, steps = run_ranks(per_system, WORLD_SIZE, kind)[0]
         ring = (WORLD_SIZE - 1) / WORLD_SIZE

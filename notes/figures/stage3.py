@@ -251,7 +251,7 @@ def main():
               f"{sent:>6}")
     big = sum(c[5] for c in collectives if c[0] in ("all_gather", "reduce_scatter"))
     print(f"\n  all-gathers + reduce-scatters: {big} bytes = "
-          f"{big / (4 * t.psi * (WORLD_SIZE - 1) / WORLD_SIZE):.3f} Ψ")
+          f"{big / (4 * t.psi * (WORLD_SIZE - 1) / WORLD_SIZE):.3f} R")
     draw(compute, collectives, marks, units)
     print(f"  drawn: notes/figures/{os.path.basename(PNG)}")
 

@@ -1,11 +1,11 @@
-"""Bytes each rank sends in one step, by system, on the benchmark's GPT, in units of Ψ.
+"""Bytes each rank sends in one step, by system, on the benchmark's GPT, in units of R.
 
     python notes/figures/traffic_by_system.py > notes/figures/traffic_by_system.txt
 
 The model is benchmarks/compare_stages.py's default (4 blocks, dim 128, seq 64, vocab 512,
 batch 8, AdamW) on 2 gloo ranks. Every system is counted from the outside by
 zerolab.measure.CommBytes (torch's CommDebugMode + ring accounting), on the third step (DDP
-rebuilds its buckets after the first). "in Ψ" divides the elements sent by (N-1)/N · Ψ, the
+rebuilds its buckets after the first). "in R" divides the elements sent by (N-1)/N · Ψ, the
 paper's unit (section 7).
 """
 
@@ -46,7 +46,7 @@ def main():
     ring = (WORLD_SIZE - 1) / WORLD_SIZE
     print(f"GPT {CONFIG}, batch {BATCH}: Ψ = {psi}; N = {WORLD_SIZE}; third step, rank 0\n")
     ops = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
-    print(f"{'system':<8} {'in Ψ':>6}  " + "".join(f"{op:>20}" for op in ops) + "   what")
+    print(f"{'system':<8} {'in R':>6}  " + "".join(f"{op:>20}" for op in ops) + "   what")
     for kind in KINDS:
         elements, calls = run_ranks(one_system, WORLD_SIZE, kind)[0]
         cells = "".join(f"{elements[op] / (psi * ring):>14.3f} ({calls[op]:>2}x)" if op in calls
