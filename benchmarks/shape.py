@@ -1,4 +1,4 @@
-"""The shape of ``zero/``, counted from its syntax: is the mechanism one object that holds the world?
+"""The shape of ``zero/``, counted from its syntax: does one object hold the world?
 
 Four counts, each from Python's ``ast`` (no code is run):
 
@@ -10,7 +10,8 @@ Four counts, each from Python's ``ast`` (no code is run):
   ``zero/core``, ``zero/checkpoint``, the rest of ``zero/`` (``zero/features`` and the top
   level), then ``zerolab`` (which ``zero`` must never import);
 - feature-specific branches in ``zero/core``: ``if`` tests (and conditional expressions)
-  that mention an offload, hpZ's secondary group, HSDP's replicas or a layout's name.
+  that mention an offload, hpZ's secondary group (or its post-forward mesh), HSDP's replicas
+  or a layout's name.
 
     python benchmarks/shape.py            # the table
     python benchmarks/shape.py --json     # the same figures, for a test or a note
@@ -29,7 +30,8 @@ MUTABLE_CALLS = {"dict", "list", "set", "deque", "defaultdict", "OrderedDict", "
                  "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
 MUTATORS = {"append", "extend", "add", "update", "setdefault", "pop", "popitem", "remove",
             "discard", "clear", "insert", "appendleft"}
-FEATURE_WORDS = ("offload", "secondary", "replicate", "layout.name", ".name ==", "hpz", "disk")
+FEATURE_WORDS = ("offload", "secondary", "post_forward", "replicate", "layout.name", ".name ==",
+                 "hpz", "disk")
 
 
 def _modules(package: str):
@@ -122,9 +124,9 @@ def upward_imports(modules) -> list[str]:
 def feature_branches(tree: ast.AST, source: str) -> list[str]:
     out = []
     for node in ast.walk(tree):
-        test = getattr(node, "test", None) if isinstance(node, (ast.If, ast.IfExp, ast.While)) else None
-        if test is None:
+        if not isinstance(node, (ast.If, ast.IfExp, ast.While)):
             continue
+        test = node.test
         text = ast.get_source_segment(source, test) or ""
         if any(w in text.lower() for w in FEATURE_WORDS):
             out.append(f"{node.lineno}: {text}")

@@ -264,14 +264,15 @@ def zero_at(stage: int):
 class ReduceScatters:
     """Counts reduce-scatters while active, by caller: FSDP2 calls ``torch.distributed``'s
     (``reduce_scatter_single``, ``reduce_scatter_tensor``), zero its one seam
-    (``zero.comm.backend.reduce_scatter``, which holds its own reference to torch's)."""
+    (``zero.comm.backend.TorchBackend.reduce_scatter``, which holds its own reference to
+    torch's)."""
 
     def __init__(self):
-        from zero.comm import backend
+        from zero.comm.backend import TorchBackend
         self.count = {"torch": 0, "zero": 0}
         self.sites = [("torch", dist, n) for n in ("reduce_scatter_single",
                                                    "reduce_scatter_tensor")
-                      if hasattr(dist, n)] + [("zero", backend, "reduce_scatter")]
+                      if hasattr(dist, n)] + [("zero", TorchBackend, "reduce_scatter")]
 
     @contextlib.contextmanager
     def counting(self):

@@ -3,25 +3,30 @@
 New to ZeRO? Read ``minimal`` first: the whole idea in one file. Then the package, bottom-up,
 one layer a folder; no file imports one above it:
 
-- ``comm/`` the collectives: ``backend`` (the one place torch.distributed is called),
+- ``api`` every seam, as a protocol: ``Layout``, ``CommPolicy``, ``OffloadPolicy``,
+  ``Schedule``, ``Backend`` (notes/15 says which idea goes through which);
+- ``comm/`` the collectives: ``backend`` (the one place torch.distributed is called:
+  ``TorchBackend``; ``logging_backend`` wraps it), ``context`` (a model's ``CommContext``),
   ``ledger`` (every collective recorded), ``waits`` (every wait bounded), ``agree`` (ranks
   that diverge raise), ``collectives``, ``objects``, ``flat_collectives`` (how a unit's flat
-  buffers cross the ranks) ``quantized`` (ZeRO++'s int8 weight gathers) and ``quantized_gradients`` (its 4-bit
-  gradient reduction by two all-to-alls);
-- ``core/`` the mechanism: ``state`` (a unit's two states), ``flat`` (the flat parameter),
-  ``rows`` and ``whole`` (the other two layouts: FSDP2's, and whole parameters), ``stage`` (the policy table and every rule derived from it), ``tree``, ``grads`` (a unit's
-  gradient), ``unit`` (its parameters: unshard / reshard), ``registry`` (who owns what),
+  buffers cross the ranks), ``quantized`` and ``quantized_gradients`` (ZeRO++'s qwZ and qgZ);
+- ``core/`` the mechanism: ``state`` (a unit's states, its iteration, its controls),
+  ``flat``, ``rows`` and ``whole`` (the three layouts), ``stage`` (the policy table and every
+  rule derived from it), ``config`` (a unit's frozen policies and its mesh: HSDP, hpZ),
+  ``tree``, ``param`` (one original parameter), ``grads`` (a unit's gradient), ``unit`` (the
+  parameter group: unshard / reshard; ``held()``), ``registry`` (who owns what),
   ``schedule`` (prefetch and the order of reductions), ``checks`` and ``saved_tensors``
   (what stands between a user and a silent wrong result), ``root`` (what the root does for
-  all units), ``hooks`` (the life of a unit in one iteration: the only file that hooks
-  modules and autograd);
-- ``checkpoint/`` sharded checkpoints, read as data only;
+  all units), ``hooks`` (the life of a unit in one iteration);
+- ``checkpoint/`` sharded checkpoints, read as data only; it asks the offload policies for
+  the optimizer state (``resident``), and imports no feature;
 - the public surface, here: ``shard`` (the entry point), ``agreement`` (the ranks agree on
-  the model), ``wrap`` (FSDP1's auto-wrap and strategies), ``fsdp2`` (``fully_shard``:
-  FSDP2's signature and methods), ``policies`` (``MixedPrecision``, the layouts),
-  ``offload`` (CPU offload), ``disk_offload`` (the optimizer state in files), ``controls`` (FSDP2's control surface), ``torch_hooks`` (hooks on
-  torch's optimizers and state dicts), ``clip``, ``state_dict``, ``meta_init``,
-  ``grad_scaler``.
+  the model), ``wrap`` (FSDP1's auto-wrap and strategies), ``fsdp2`` (``fully_shard``),
+  ``policies`` (``MixedPrecision``, the layouts), ``controls`` (FSDP2's control surface),
+  ``clip``, ``state_dict``, ``meta_init``, ``grad_scaler``; and the features behind the
+  seams: ``offload`` (``OnDevice``, CPU offload), ``disk_offload`` (the optimizer state in
+  files, and its own step), ``optimizers`` (which of torch's optimizers step pieces),
+  ``torch_hooks`` (zero's hooks on the optimizers and modules it serves).
 """
 
 from zero.checkpoint import load, save

@@ -21,14 +21,14 @@ AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and ca
           "in the same order, with the same arguments, on every rank")
 
 
-def same_model(desc: list, group) -> None:
+def same_model(desc: list, group, ctx) -> None:
     """Agree on ``desc`` (zero.shard's description of a unit); raise naming the first
     difference, on every rank, if the ranks' differ."""
     try:
-        comm.agree(f"shard {desc}", group=group, error=ValueError,
+        comm.agree(f"shard {desc}", group=group, error=ValueError, ctx=ctx,
                    fix=f"Ranks shard different modules: build {AGREED}")
     except ValueError as e:  # every rank is here: name what differs first, then the rest
-        raise ValueError(f"Ranks shard different modules: {first_difference(desc, group)}. "
+        raise ValueError(f"Ranks shard different modules: {first_difference(desc, group, ctx)}. "
                          f"Build {AGREED}. (In full: {e})") from None
 
 
@@ -36,9 +36,9 @@ _FIELDS = ["the modules' classes", "stage", "mp_policy", "reshard_after_forward"
            "broadcast_buffers", "ignored_params"]
 
 
-def first_difference(desc: list, group) -> str:
+def first_difference(desc: list, group, ctx) -> str:
     """The first entry of the ranks' ``zero.shard`` descriptions that differs, in words."""
-    every = comm.all_gather_object(desc, group=group)
+    every = comm.all_gather_object(desc, group=group, ctx=ctx)
     for k in range(max(len(d) for d in every)):
         items = [d[k] if k < len(d) else None for d in every]
         if all(item == items[0] for item in items):
@@ -73,7 +73,7 @@ def fingerprint(names) -> torch.Tensor:
     return torch.stack(sums)
 
 
-def check_same_values(names, group) -> None:
+def check_same_values(names, group, ctx) -> None:
     """Raise on every rank, naming the parameters, unless every rank holds the same values
     (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
     n = dist.get_world_size(group)
@@ -82,7 +82,7 @@ def check_same_values(names, group) -> None:
     mine = fingerprint(names)
     every = mine.new_empty(n * len(mine))
     # (P,) per rank -> (N*P,): each rank's fingerprint of each parameter
-    comm.all_gather(every, mine, group=group, unit="", phase="init")
+    comm.all_gather(every, mine, group=group, unit="", phase="init", ctx=ctx)
     rows = every.view(n, -1)
     differ = [name for (name, _), d in zip(names, (rows != rows[0]).any(0).tolist()) if d]
     if differ:  # (every rank gathered the same rows: every rank raises)
@@ -94,7 +94,7 @@ def check_same_values(names, group) -> None:
             "to copy rank 0's, or shard on the meta device and load after (zero.load)")
 
 
-def take_rank0_values(modules, params, group) -> None:
+def take_rank0_values(modules, params, group, ctx) -> None:
     """``sync_module_states``: rank 0's values of ``params`` and of the modules' buffers on
     every rank, in one broadcast per dtype (the unit's full size, once, at sharding time)."""
     if any(p.is_meta for p in params):
@@ -106,7 +106,7 @@ def take_rank0_values(modules, params, group) -> None:
         same = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in same])
         # (numel,) rank 0's -> every rank's, in place
-        comm.broadcast(flat, src=0, group=group, unit="", phase="init")
+        comm.broadcast(flat, src=0, group=group, unit="", phase="init", ctx=ctx)
         with torch.no_grad():
             for t, part in zip(same, flat.split([t.numel() for t in same])):
                 t.copy_(part.view_as(t))

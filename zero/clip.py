@@ -36,13 +36,15 @@ def clip_grad_norm_(
     """
     units = units_of(model)
     group = units[0].group  # the shard group: replicas (HSDP) hold equal shards
-    with comm.raising_together(units[0].all_group):
+    ctx = units[0].mesh.context
+    with comm.raising_together(units[0].all_group, ctx=ctx):
         loose = [n for n, p in model.named_parameters()
                  if not registry.is_piece(p) and not registry.is_ignored(p)]
         if loose:
             raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
                              "module")
     comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=units[0].all_group,
+               ctx=ctx,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     with_grad = [p for p in model.parameters() if p.grad is not None]
     grads = [local_tensor(p.grad) for p in with_grad if registry.is_piece(p)]  # (rows: this rank's)
@@ -61,11 +63,11 @@ def clip_grad_norm_(
     if norm_type == float("inf"):
         # gloo's MAX drops a NaN unless rank 0 holds it: carry "is NaN" beside the maximum
         both = torch.stack([local, torch.isnan(local).to(local.dtype)])
-        comm.all_reduce(both, op="max", group=group, unit="clip", phase="step")
+        comm.all_reduce(both, op="max", group=group, unit="clip", phase="step", ctx=ctx)
         total = torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])
     else:
         total = local**norm_type
-        comm.all_reduce(total, op="sum", group=group, unit="clip", phase="step")
+        comm.all_reduce(total, op="sum", group=group, unit="clip", phase="step", ctx=ctx)
         total = total ** (1.0 / norm_type)
     if whole:
         own = torch.linalg.vector_norm(

@@ -55,7 +55,7 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     until ``reshard(module)``. With ``async_op`` the gather is started and a handle returned."""
     units = _units(module, recurse=False)
     for unit in units:
-        unit.pinned = True
+        unit.controls.pinned = True
         unit.unshard(phase="other", async_op=True)
     handle = UnshardHandle(units)
     if async_op:
@@ -67,7 +67,7 @@ def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
 def reshard(module: nn.Module) -> None:
     """Unpin ``module``'s unit and, at stage 3, free its full parameters now."""
     for unit in _units(module, recurse=False):
-        unit.pinned = False
+        unit.controls.pinned = False
         unit.reshard()
 
 
@@ -76,7 +76,7 @@ def set_modules_to_forward_prefetch(module: nn.Module, modules: list[nn.Module])
     instead of the one that ran next last iteration."""
     targets = [u for m in modules for u in _units(m, recurse=False)]
     for unit in _units(module, recurse=False):
-        unit.forward_prefetch = targets
+        unit.controls.forward_prefetch = targets
 
 
 def set_modules_to_backward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
@@ -84,7 +84,7 @@ def set_modules_to_backward_prefetch(module: nn.Module, modules: list[nn.Module]
     one that ran before it in forward."""
     targets = [u for m in modules for u in _units(m, recurse=False)]
     for unit in _units(module, recurse=False):
-        unit.backward_prefetch = targets
+        unit.controls.backward_prefetch = targets
 
 
 def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,
@@ -94,7 +94,7 @@ def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,
         if unit.stage.keep_params:
             raise ValueError("reshard_after_forward only applies to stage 3: stages 1 and 2 "
                              "always keep their full parameters")
-        unit.reshard_after_forward_setting = reshard_after_forward
+        unit.controls.reshard_after_forward = reshard_after_forward
 
 
 def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool,
@@ -102,7 +102,7 @@ def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool,
     """Stage 3: free the parameters after backward (True), or keep them gathered, so that the
     next micro-batch's forward needs no all-gather (False; set True for the last one)."""
     for unit in _units(module, recurse):
-        unit.reshard_after_backward = reshard_after_backward
+        unit.controls.reshard_after_backward = reshard_after_backward
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool,
@@ -110,4 +110,4 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool,
     """Reduce gradients at the end of each backward (True), or accumulate them unsynced
     (False), as ``zero.no_sync`` does for the duration of a ``with`` block."""
     for unit in _units(module, recurse):
-        unit.requires_grad_sync = requires_gradient_sync
+        unit.controls.requires_grad_sync = requires_gradient_sync

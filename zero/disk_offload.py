@@ -26,16 +26,17 @@ call computes: every optimizer that zero steps on pieces updates each parameter 
 (``zero/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
 in-memory run (tests/test_disk_offload.py). What is read and written is counted in the ledger
 ("read" and "write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say
-how much state the store holds in memory. The files are this store's own: a fresh directory under the one
-given, removed when the optimizer is; nothing else there is touched. Each unit's state is
-keyed by the unit itself, never by its name (which the root changes at the first forward,
-from the module's class to its path): a resume or a save before any forward, and two
-separately sharded models in one optimizer, find their own state.
+how much state the store holds in memory. The files are this store's own: a fresh directory
+under the one given, removed when the optimizer is; nothing else there is touched. Each
+unit's state is keyed by the unit itself, never by its name (which the root changes at the
+first forward, from the module's class to its path): a resume or a save before any forward,
+and two separately sharded models in one optimizer, find their own state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shutil
 import tempfile
@@ -157,6 +158,11 @@ class StateStore:
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-disk")
 
+    def _submit(self, fn, *args):
+        """``fn(*args)`` on the I/O thread, in a copy of this thread's context (the active
+        ledgers, which record its reads and writes)."""
+        return self._io.submit(contextvars.copy_context().run, fn, *args)
+
     def path(self, unit) -> str:
         number = self.files.setdefault(unit, len(self.files))
         return os.path.join(self.root, f"unit{number:05d}.state")
@@ -250,20 +256,20 @@ class StateStore:
                 "were not. Stepping again would step the first ones twice: resume from a "
                 "checkpoint (zero.load(path, model, opt)), which clears this")
         self.pieces = pieces
-        ahead = self._io.submit(self.read, pieces[0][0]) if pieces else None
+        ahead = self._submit(self.read, pieces[0][0]) if pieces else None
         writes, current = [], []
         try:
             for k, (unit, params) in enumerate(pieces):
                 self.failed = unit  # (until its state is taken out again)
                 buf, current = ahead.result(), params
                 if k + 1 < len(pieces):  # the next unit's read overlaps this unit's step
-                    ahead = self._io.submit(self.read, pieces[k + 1][0])
+                    ahead = self._submit(self.read, pieces[k + 1][0])
                 self.put_back(optimizer, unit, params, buf)
                 with only(optimizer, params):
                     own_step()
                 buf = self.take_out(optimizer, unit, params, buf)
                 current, self.failed = [], None
-                writes.append(self._io.submit(self.write, unit, buf))
+                writes.append(self._submit(self.write, unit, buf))
                 del buf
         finally:
             for w in writes:

@@ -138,7 +138,7 @@ class ZeroFSDPModule(FSDPModule):
         torchtitan's chunked loss sets it False on ``lm_head``, then True again."""
         for unit in self._units(recurse):
             if unit.stage.frees_parameters:
-                unit.reshard_after_forward_setting = reshard_after_forward
+                unit.controls.reshard_after_forward = reshard_after_forward
             elif reshard_after_forward:
                 _not_freed(f"set_reshard_after_forward(True) at stage {unit.stage.number}")
 

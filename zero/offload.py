@@ -12,21 +12,57 @@ the reduced gradient shard comes back (device -> host, the reduce dtype)::
     host:    reduced shard <---d2h--- device: full gradient -> reduce-scatter (in place)
     host:    opt.step() on the host shards and their state
 
-Two places of the mechanism ask this policy (``zero/core/unit.py`` and ``zero/core/grads.py``):
-where the shard is allocated, and how a tensor crosses (each crossing a ledger record,
-``h2d`` or ``d2h``, with its bytes and no bytes sent over the network). On a machine without an
-accelerator host and device are the same memory: the copies still happen and are counted,
-and training is bitwise the same as without offload (tests/test_offload.py).
+The mechanism asks this policy (the ``OffloadPolicy`` of ``zero/api.py``) where the shard is
+allocated and how a tensor crosses (``zero/core/unit.py``, ``zero/core/grads.py``: each
+crossing a ledger record, ``h2d`` or ``d2h``, with its bytes and no bytes sent over the
+network); the optimizer's step hook asks it for its part of the step (``before_step``: none
+here, disk offload's is all of it) and a checkpoint for the state in memory (``resident``).
+No offload is a policy too, ``OnDevice``, so the mechanism never asks whether there is one.
+On a machine without an accelerator host and device are the same memory: the copies still
+happen and are counted, and training is bitwise the same as without offload
+(tests/test_offload.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from zero.comm import ledger
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """No offload (the default): the shards, their gradients and the optimizer state live on
+    the compute device, and nothing crosses to the host."""
+
+    on_device: ClassVar[bool] = True  # the shard may live inside the full buffer (stages 1/2)
+
+    def home(self, compute: torch.device) -> torch.device:
+        return compute
+
+    def check(self, layout) -> None:
+        """Every layout is served."""
+
+    def pinned(self, compute: torch.device) -> bool:
+        return False
+
+    def to_device(self, shard: torch.Tensor, device: torch.device, unit: str, phase: str):
+        return shard  # (it is there)
+
+    def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor:
+        """A reduced gradient shard where the optimizer steps: the view itself if ``keep``
+        (stage 1 keeps the full gradient anyway), else a copy (which frees the full one)."""
+        return shard if keep else shard.clone()
+
+    def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
+        return None
+
+    def resident(self, optimizer, units: list):
+        return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -37,6 +73,7 @@ class CPUOffload:
     """
 
     pin_memory: bool = True
+    on_device: ClassVar[bool] = False  # the shard lives on the host, apart from the buffer
 
     def home(self, compute: torch.device) -> torch.device:
         """Where the shards live."""
@@ -62,8 +99,8 @@ class CPUOffload:
         """The optimizer state of ``units`` in memory for a checkpoint: it always is."""
         return contextlib.nullcontext()
 
-    def to_host(self, shard: torch.Tensor, unit: str) -> torch.Tensor:
-        """A reduced gradient shard, copied to the host (device -> host)."""
+    def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor:
+        """A reduced gradient shard, copied to the host (device -> host), kept or not."""
         ledger.record_copy("d2h", shard, unit, "backward")
         host = torch.empty(shard.shape, dtype=shard.dtype, device="cpu",
                            pin_memory=self.pinned(shard.device))
@@ -71,12 +108,13 @@ class CPUOffload:
 
 
 def offload_from_torch(policy):
-    """Ours for torch's ``OffloadPolicy`` (None: no offload) and ``CPUOffloadPolicy``."""
-    if policy is None or isinstance(policy, CPUOffload):
+    """Ours for None (no offload: ``OnDevice``), torch's ``OffloadPolicy`` (the same) and
+    ``CPUOffloadPolicy``; ours as they are."""
+    if isinstance(policy, (OnDevice, CPUOffload)):
         return policy
     kind = type(policy).__name__
-    if kind == "OffloadPolicy":
-        return None
+    if policy is None or kind == "OffloadPolicy":
+        return OnDevice()
     if kind == "CPUOffloadPolicy":
         return CPUOffload(pin_memory=policy.pin_memory)
     raise TypeError(f"offload_policy must be zero.CPUOffload, zero.DiskOffload (or torch's "

@@ -19,12 +19,16 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from zero import agreement, comm, torch_hooks, wrap
+from zero import agreement, api, comm, torch_hooks, wrap
+from zero.comm.context import CommContext
 from zero.comm.flat_collectives import FlatCollectives
 from zero.core import hooks, registry
 from zero.core.registry import piece_of, unit_of, units_of, units_on
+from zero.core.config import HSDPMeshInfo, MeshInfo, UnitConfig
 from zero.core.stage import STAGES
+from zero.core.state import Controls
 from zero.core.unit import Unit
 from zero.offload import offload_from_torch
 from zero.policies import MixedPrecision, layout_class
@@ -50,6 +54,8 @@ def shard(
     auto_wrap_policy=None,
     sharding_strategy=None,
     offload_policy=None,
+    prefetch: int = 1,
+    backend=None,
     _leave: frozenset = frozenset(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
@@ -108,6 +114,12 @@ def shard(
             there (ZeRO-Offload; ``zero/offload.py``); ``zero.DiskOffload(directory)``: and the
             optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's disk
             tier; ``zero/disk_offload.py``). None: on the compute device.
+        prefetch: the root only: how many units to gather ahead of the one computing, in
+            forward (the next ones to run) and in backward (the ones before it); 1 by default,
+            as FSDP2 (``zero/core/schedule.py``).
+        backend: the ``Backend`` every collective of this unit goes through (``zero/api.py``;
+            default ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
+            ``zero.comm.logging_backend.LoggingBackend(path)`` writes each one to a file.
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
             (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
             of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
@@ -125,7 +137,8 @@ def shard(
         kwargs = dict(group=group, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                       device=device, ignored_params=ignored_params, secondary_group=secondary_group,
                       comm_policy=comm_policy, sync_module_states=sync_module_states,
-                      layout=layout, offload_policy=offload_policy)
+                      layout=layout, offload_policy=offload_policy, prefetch=prefetch,
+                      backend=backend)
         return _shard_by_policy(module, stage, mesh, auto_wrap_policy, sharding_strategy, kwargs)
     stage = 3 if stage is None else stage
     offload_policy = offload_from_torch(offload_policy)
@@ -133,10 +146,13 @@ def shard(
     if type(mp_policy).__name__ == "MixedPrecisionPolicy":  # torch's: the same four fields
         mp_policy = MixedPrecision.from_torch(mp_policy)
     ignored = {id(p) for p in ignored_params or ()} | set(_leave)  # (_leave: for a unit above)
-    group, replicate_group, all_group = _groups(group, mesh)
+    if backend is not None:  # (checked first: the ranks agree through it)
+        api.check(backend, api.Backend, "backend")
+    ctx = CommContext(backend)  # every collective of this call's units goes through it
+    group, replicate_group, all_group = _groups(group, mesh, ctx)
     if secondary_group is not None:
-        comm.name_group(secondary_group, "intra-node")
-    with comm.raising_together(all_group):
+        ctx.name_group(secondary_group, "intra-node")
+    with comm.raising_together(all_group, ctx=ctx):
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("zero.shard takes a module, or a non-empty list of modules")
         if secondary_group is not None and stage != 3:
@@ -144,8 +160,13 @@ def shard(
                              "keep their full parameters, so backward gathers nothing")
         device = _device(modules[0], group, device)
         layout = layout_class(layout)
-        if offload_policy is not None:
-            offload_policy.check(layout)
+        if comm_policy is not None:
+            api.check(comm_policy, api.CommPolicy, "comm_policy")
+        api.check(offload_policy, api.OffloadPolicy, "offload_policy")
+        api.check(layout(((2,),), 1), api.Layout, "layout")
+        if type(prefetch) is not int or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r}: how many units to gather ahead, 0 or more")
+        offload_policy.check(layout)
         if layout.copies and secondary_group is not None:
             raise ValueError(f"layout={layout.name!r} is not supported with hpZ (a "
                              "secondary_group) yet: use layout='flat' there")
@@ -162,14 +183,13 @@ def shard(
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
     if comm_policy is not None:
         desc.append(type(comm_policy).__name__)
-    if offload_policy is not None:
-        desc.append(repr(offload_policy))
+    desc.append(repr(offload_policy))
     desc.append(("values", any(p.is_meta for p in params), sync_module_states))
-    agreement.same_model(desc, all_group)
+    agreement.same_model(desc, all_group, ctx)
     if sync_module_states:
-        agreement.take_rank0_values(modules, params, all_group)
+        agreement.take_rank0_values(modules, params, all_group, ctx)
     elif not any(p.is_meta for p in params):  # (on the meta device: no values yet)
-        agreement.check_same_values(names, all_group)
+        agreement.check_same_values(names, all_group, ctx)
 
     # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
     # ever formed, reduced or stored for them (a LoRA model's frozen base weights).
@@ -177,19 +197,24 @@ def shard(
               for trainable in (True, False)]
     groups = [g for g in groups if g] or [[]]
     comm_policy = comm_policy or FlatCollectives()
-    units = [Unit(modules, [params[i] for i in g], [locations[i] for i in g], STAGES[stage],
-                  group, mp_policy, reshard_after_forward, device, replicate_group,
-                  secondary_group, all_group, comm_policy, layout,
-                  mesh, offload_policy)
-             for g in groups]
+    info = _mesh_info(group, replicate_group, secondary_group, all_group, mesh, ctx,
+                      layout.exposes_dtensors and offload_policy.home(torch.device(device)))
+    units = []
+    for k, g in enumerate(groups):
+        master_dtype = params[g[0]].dtype if g else torch.float32
+        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, layout, comm_policy,
+                                 offload_policy, device)
+        controls = Controls(reshard_after_forward=reshard_after_forward,
+                            broadcast_buffers=broadcast_buffers and k == 0, prefetch=prefetch)
+        units.append(Unit(modules, [params[i] for i in g], [locations[i] for i in g], config,
+                          info, controls))
     originals = [[params[i] for i in g] for g in groups]
     unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
     for sibling in units[1:]:
-        sibling.parent = sibling.sibling_of = unit
-    unit.broadcast_buffers = broadcast_buffers
+        sibling.place_under(unit, sibling=True)
     for child in children:
         if child.parent is None:
-            child.parent = unit
+            child.place_under(unit)
     for p in ignored_params or ():
         registry.mark_ignored(p)
     for u, replaced in zip(units, originals):
@@ -228,7 +253,7 @@ def _shard_by_policy(model, stage, mesh, policy, strategy, kwargs):
     return shard(model, stage=stage, mesh=mesh, **kwargs)
 
 
-def _groups(group, mesh):
+def _groups(group, mesh, ctx):
     """(shard group, replicate group or None, the group of every rank) from FSDP2's ``mesh``."""
     if mesh is None:
         return group, None, group
@@ -239,9 +264,25 @@ def _groups(group, mesh):
     if mesh.ndim != 2:
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
     shard, replicate = mesh.get_group(1), mesh.get_group(0)
-    comm.name_group(shard, "intra-node")  # HSDP shards within a node, replicates across
-    comm.name_group(replicate, "inter-node")
+    ctx.name_group(shard, "intra-node")  # HSDP shards within a node, replicates across
+    ctx.name_group(replicate, "inter-node")
     return shard, replicate, _mesh_group(mesh)
+
+
+def _mesh_info(group, replicate_group, secondary_group, all_group, mesh, ctx, dtensors_on):
+    """Who the unit talks to: its group, HSDP's replicas, hpZ's node (``zero/core/config.py``).
+    DTensor parameters (layout "rows") are placed on the user's mesh, or on a 1-D one over
+    the group, made here once for the unit (``dtensors_on``: the shards' device, else False)."""
+    placement = mesh
+    if mesh is None:
+        placement = DeviceMesh.from_group(group or dist.group.WORLD, dtensors_on.type) \
+            if dtensors_on else group
+    post_forward = None if secondary_group is None else MeshInfo.over(secondary_group,
+                                                                      context=ctx)
+    if replicate_group is None:
+        return MeshInfo.over(group, all_group, placement, post_forward, ctx)
+    return HSDPMeshInfo.over(group, all_group, placement, post_forward, ctx,
+                             replicate_group=replicate_group)
 
 
 def _mesh_group(mesh):
@@ -347,11 +388,11 @@ def no_sync(model: nn.Module):
     accumulated.
     """
     units = units_of(model)
-    before = [u.requires_grad_sync for u in units]
+    before = [u.controls.requires_grad_sync for u in units]
     for u in units:
-        u.requires_grad_sync = False
+        u.controls.requires_grad_sync = False
     try:
         yield
     finally:
         for u, b in zip(units, before):
-            u.requires_grad_sync = b
+            u.controls.requires_grad_sync = b

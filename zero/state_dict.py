@@ -23,14 +23,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
-    comm.agree("gather a full state dict", group=units[0].all_group,
+    comm.agree("gather a full state dict", group=units[0].all_group, ctx=units[0].mesh.context,
                fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
                    "you need on rank 0")
     try:
         for unit in units:
             flat = unit.sharded.new_empty(unit.layout.padded_numel)
             # (S,) per rank -> (N*S,): the master weights, whole
-            comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other")
+            comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other",
+                            ctx=unit.mesh.context)
             unit.use(unit.layout.views(unit.layout.from_wire(flat)))  # (rows: copied out)
         with state_dict_access():
             return model.state_dict()

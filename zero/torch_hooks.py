@@ -111,8 +111,7 @@ def _before_step(optimizer, args, kwargs):
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
     policies: dict = {}  # each offload policy, with its units, in the units' order
     for unit in units:
-        if unit.offload is not None:
-            policies.setdefault(unit.offload, []).append(unit)
+        policies.setdefault(unit.offload, []).append(unit)
     changed = None
     for policy, its_units in policies.items():
         out = policy.before_step(optimizer, its_units, args, kwargs)
@@ -195,8 +194,7 @@ def _after_step(optimizer, args, kwargs) -> None:
     """Mark every unit with a parameter in ``optimizer`` as stepped: the next forward refreshes
     it on every rank, whether or not this rank holds any of its elements (``whole``)."""
     for unit in units_of_optimizer(optimizer):
-        if unit.unsharded.requires_grad:  # (frozen units are never stepped)
-            unit.stepped = True
+        unit.mark_stepped()
 
 
 def _shows_dtensors(module) -> bool:

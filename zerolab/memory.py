@@ -24,6 +24,8 @@ reduce-scattered). What our stages really hold is measured from the outside, by
 
 from __future__ import annotations
 
+from zero.core.schedule import Schedule
+
 
 def model_state_bytes(psi: float, n: int, stage: int, mixed_precision: bool = True) -> float:
     """Per-rank model-state bytes for Adam under ``stage`` (0 = DDP), per the table above."""
@@ -39,7 +41,8 @@ def traffic_in_psi(stage: int) -> float:
     return 3.0 if stage == 3 else 2.0
 
 
-def schedule(units: list[int], stage: int, n: int, tensors: int = 0) -> dict[str, int]:
+def schedule(units: list[int], stage: int, n: int, tensors: int = 0,
+             prefetch: int = 1) -> dict[str, int]:
     """Our model-state bytes per rank at the worst instant of a step (fp32 AdamW).
 
     Args:
@@ -48,6 +51,8 @@ def schedule(units: list[int], stage: int, n: int, tensors: int = 0) -> dict[str
         stage: 1, 2 or 3.
         n: the world size.
         tensors: parameter tensors: AdamW keeps a 4-byte step counter for each piece.
+        prefetch: the root's ``zero.shard(..., prefetch=...)``: which units are gathered
+            ahead of the one computing is the mechanism's own ``Schedule``'s answer.
 
     Returns:
         ``{"at_rest": ..., "in_flight": ..., "peak": ...}``: what the paper's formula counts
@@ -60,22 +65,25 @@ def schedule(units: list[int], stage: int, n: int, tensors: int = 0) -> dict[str
         at_rest = 8 * sum(units) + optim
         return {"at_rest": at_rest, "in_flight": 0, "peak": at_rest}
     params = 4 * sum(units) if stage == 2 else 4 * sum(shard)
+    order = list(range(len(units)))  # forward order: the root, then the blocks
+    ahead, behind = Schedule(order, prefetch).ahead, Schedule(order, prefetch).behind
     worst = 0
-    for i in range(len(units)):  # forward: unit i computes while unit i + 1 is gathered
+    for i in order:  # forward: unit i computes while the units ahead of it are gathered
         if stage == 3:
-            gathered = [0] + ([i] if i else []) + ([i + 1] if 0 < i + 1 < len(units) else [])
-            worst = max(worst, 4 * sum(units[j] for j in set(gathered)))
+            gathered = {0, i, *ahead(order, i)}  # (the root keeps its parameters)
+            worst = max(worst, 4 * sum(units[j] for j in gathered))
     root = {0} if stage == 3 else set()
     for i in reversed(range(len(units))):  # backward, unit by unit, last first
         done = sum(shard[j] for j in range(i + 1, len(units)))  # shards of the later units
         later = i + 1 < len(units)
         if later:  # unit i starts: unit i + 1's reduce-scatter ends, its shard is copied out
-            gathered = root | {i} if stage == 3 else set()
+            # (gathered: i, and those unit i + 1 prefetched with it; i + 1 was freed)
+            gathered = root | set(behind(order, i + 1)) if stage == 3 else set()
             grads = done - shard[i + 1] + units[i + 1] + shard[i + 1]
             if i == 0:  # the root's backward began first, at its output: it waits at its end,
                 grads += units[0]  # with its own full gradient formed
             worst = max(worst, 4 * grads + 4 * sum(units[j] for j in gathered))
-        gathered = root | {i, i - 1} - {-1} if stage == 3 else set()  # i and the prefetched i - 1
+        gathered = root | {i, *behind(order, i)} if stage == 3 else set()  # i and its prefetched
         worst = max(worst, 4 * (done + units[i]) + 4 * sum(units[j] for j in gathered))
     at_rest = params + 4 * sum(shard) + optim  # the gradient shards, after backward
     peak = max(at_rest, params + worst + optim)

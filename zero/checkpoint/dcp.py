@@ -64,12 +64,12 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
     """
     units = units_of(model)
-    group = units[0].all_group
-    with comm.raising_together(group):
+    group, ctx = units[0].all_group, units[0].mesh.context
+    with comm.raising_together(group, ctx=ctx):
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: keep is how many versions stay, 1 or more")
         check_optimizer(model, optimizer)
-    comm.agree(f"save a checkpoint in {path}, keeping {keep}", group=group,
+    comm.agree(f"save a checkpoint in {path}, keeping {keep}", group=group, ctx=ctx,
                fix="Call zero.save on every rank, with the same path: every rank writes its "
                    "own chunks")
     state = state_dict(model, optimizer)
@@ -80,10 +80,11 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         return ckdir.next_version(path)
 
     try:
-        version = _on_rank0("start a new version", begin)
+        version = _on_rank0(ctx, "start a new version", begin)
         try:
             _write(state, path, version)
-            _on_rank0("point 'latest' at the new checkpoint", ckdir.commit, path, version, keep)
+            _on_rank0(ctx, "point 'latest' at the new checkpoint", ckdir.commit, path, version,
+                      keep)
         except BaseException:
             if lock:  # rank 0: a failed save leaves nothing behind
                 ckdir.discard(path, version)
@@ -199,7 +200,7 @@ def resident(optimizer):
     for group in optimizer.param_groups:
         for p in group["params"]:
             unit = registry.unit_of(p)
-            if unit is not None and unit.offload is not None:
+            if unit is not None:
                 policies.setdefault(unit.offload, {})[unit] = None
     with contextlib.ExitStack() as stack:
         for policy, units in policies.items():
@@ -245,7 +246,7 @@ def _elementwise(unit, optimizer) -> dict[str, list[int]]:
                 found.setdefault(key, []).append(i)
     if not unit.layout.empty_pieces_get_grads:
         merged: dict[str, set] = {}
-        for theirs in comm.all_gather_object(found, group=unit.group):
+        for theirs in comm.all_gather_object(found, group=unit.group, ctx=unit.mesh.context):
             for key, holders in theirs.items():
                 merged.setdefault(key, set()).update(holders)
         found = {key: sorted(holders) for key, holders in merged.items()}
@@ -256,7 +257,7 @@ def first_names(model: nn.Module) -> dict[nn.Parameter, str]:
     return {p: name for name, p in model.named_parameters()}  # a tied parameter: its first name
 
 
-def _on_rank0(what: str, fn: Callable, *args):
+def _on_rank0(ctx, what: str, fn: Callable, *args):
     """Run ``fn`` on rank 0; every rank returns its result or raises its error (never hangs)."""
     outcome = None
     if dist.get_rank() == 0:
@@ -264,7 +265,7 @@ def _on_rank0(what: str, fn: Callable, *args):
             outcome = (True, fn(*args))
         except Exception as e:  # noqa: BLE001 (reported on every rank below)
             outcome = (False, f"{type(e).__name__}: {e}")
-    ok, value = comm.all_gather_object(outcome)[0]
+    ok, value = comm.all_gather_object(outcome, ctx=ctx)[0]
     if not ok:
         raise RuntimeError(f"rank 0 could not {what} in the checkpoint directory: {value}")
     return value

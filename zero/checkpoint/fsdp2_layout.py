@@ -71,7 +71,8 @@ def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
         return []
     flat = shard.new_empty(layout.padded_numel)
     # (S,) per rank -> (N*S,): the whole unit, transient
-    comm.all_gather(flat, shard, group=unit.group, unit=unit.name, phase="other")
+    comm.all_gather(flat, shard, group=unit.group, unit=unit.name, phase="other",
+                    ctx=unit.mesh.context)
     chunks = []
     for shape, whole in zip(layout.shapes, layout.views(layout.from_wire(flat))):  # (any layout)
         ch = chunk_of(shape, unit.world_size, unit.rank)
@@ -98,7 +99,8 @@ def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
     got = send.new_empty(n * seg[-1])
     if seg[-1]:
         # (L,) per rank -> (N*L,): every rank's chunks of this unit, transient
-        comm.all_gather(got, send, group=unit.group, unit=unit.name, phase="other")
+        comm.all_gather(got, send, group=unit.group, unit=unit.name, phase="other",
+                        ctx=unit.mesh.context)
     del send  # (before the shard is allocated: load holds one unit, not one and a bit)
 
     shard = unit.sharded.new_zeros(layout.shard_numel, dtype=dtype)

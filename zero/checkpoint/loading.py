@@ -61,7 +61,9 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """
     units, names, entries = units_of(model), first_names(model), entries_of(model)
     with_optim = optimizer is not None
-    found, meta, elementwise = _agreed(path, _checked, path, model, optimizer, units, entries)
+    ctx = units[0].mesh.context
+    found, meta, elementwise = _agreed(ctx, path, _checked, path, model, optimizer, units,
+                                       entries)
     try:
         rest = _rest(meta, entries, elementwise, with_optim)
         reader.read(rest, found)
@@ -69,7 +71,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             groups = _groups(optimizer, names, _checked_optim(found.ckpt, rest["optim"]))
         with torch.no_grad():
             state = _load_units(found, meta, units, names, entries, elementwise, with_optim)
-            _raise_together(found.ckpt, state.pop(None, None))
+            _raise_together(ctx, found.ckpt, state.pop(None, None))
             for k, t in entries.items():
                 if not registry.is_piece(t):
                     t.copy_(rest["model"][k])  # buffers and unsharded parameters: whole
@@ -141,7 +143,7 @@ _ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
                                    safe_pickle.UntrustedCheckpointError)}
 
 
-def _agreed(path: str, checks_: Callable, *args):
+def _agreed(ctx, path: str, checks_: Callable, *args):
     """Run ``checks_`` on every rank, then agree, in one small all-gather, before any collective
     that moves data: every rank returns, or every rank raises (its own error, or else the first
     failing rank's). Ranks can see different files: a node-local disk, an unfinished copy."""
@@ -151,7 +153,7 @@ def _agreed(path: str, checks_: Callable, *args):
     except Exception as e:  # noqa: BLE001 (reported on every rank below)
         mine = e
     error = None if mine is None else (type(mine).__name__, str(mine))
-    told = comm.all_gather_object((error, fingerprint))
+    told = comm.all_gather_object((error, fingerprint), ctx=ctx)
     if mine is not None:
         raise mine
     failed = [(r, error) for r, (error, _) in enumerate(told) if error]
@@ -242,10 +244,10 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
     return chunks_to_flat(unit, [_local(c) if c is not None else None for c in chunks])
 
 
-def _raise_together(ckpt: str, failure: str | None) -> None:
+def _raise_together(ctx, ckpt: str, failure: str | None) -> None:
     """After the units: every rank raises if one rank's read failed (its checks had passed:
     a disk's read error). The units it had loaded hold what the other ranks sent."""
-    told = comm.all_gather_object(failure)
+    told = comm.all_gather_object(failure, ctx=ctx)
     if failed := [(r, f) for r, f in enumerate(told) if f]:
         raise RuntimeError(f"rank {failed[0][0]} could not read {ckpt} after checking it "
                            f"({failed[0][1]}); the model is partly loaded: load again")

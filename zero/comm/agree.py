@@ -21,8 +21,7 @@ import os
 import torch
 
 from zero.comm import backend, ledger, objects, waits
-
-_SEQUENCE: dict = {}  # agreements so far, per group: ranks must count alike
+from zero.comm.context import context_of
 
 
 def checking() -> bool:
@@ -42,35 +41,38 @@ class AgreementTimeout(Disagreement, waits.CollectiveTimeout):
     """The other ranks never came to an agreement: both a disagreement and a timeout."""
 
 
-def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement) -> None:
+def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement,
+          ctx=None) -> None:
     """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
-    if they do not all say the same. ``fix`` ends the message: how to make the ranks agree."""
+    if they do not all say the same. ``fix`` ends the message: how to make the ranks agree.
+    ``ctx``: the ``CommContext`` to agree through (it counts the agreements: ranks must count
+    alike)."""
     if backend.alone(group) or backend.simulated(group):
         return
-    key = group if group is not None else backend.world()
-    seq = _SEQUENCE[key] = _SEQUENCE.get(key, 0) + 1
-    n, device = backend.world_size(group), device or backend.default_device(group)
+    ctx = context_of(ctx)
+    seq = ctx.next_agreement(group)
+    n, device = ctx.backend.world_size(group), device or ctx.backend.default_device(group)
     mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
     every = torch.empty(2 * n, dtype=torch.int64, device=device)
-    name = waits.issued(f"agreement #{seq}: {what}", group)
-    rec = ledger.record("agree", every, 1.0, group, "", "agree")
+    name = ctx.issued(f"agreement #{seq}: {what}", group)
+    rec = ledger.record("agree", every, 1.0, group, "", "agree", ctx)
     # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
-    work = backend.all_gather(every, mine, group=group, async_op=True)
+    work = ctx.backend.all_gather(every, mine, group=group, async_op=True)
     try:
-        waits.wait(work, name, group, always=True)  # bounded on every backend: read at once
+        waits.wait(work, name, group, ctx, always=True)  # bounded everywhere: read at once
     except waits.CollectiveTimeout as e:
         kind = AgreementTimeout if error is Disagreement else error
         raise kind(f"{e}. {fix}".strip()) from e
     ledger.done(rec)
     rows = every.view(n, 2)
     if (rows != rows[0]).any():
-        said = objects.all_gather_object(f"{what} (agreement #{seq})", group)
+        said = objects.all_gather_object(f"{what} (agreement #{seq})", group, ctx)
         detail = "; ".join(f"rank {r} is about to {w}" for r, w in enumerate(said))
         raise error(f"the ranks took different paths: {detail}. {fix}".strip())
 
 
 @contextlib.contextmanager
-def raising_together(group=None, device=None):
+def raising_together(group=None, device=None, ctx=None):
     """Local checks whose failure on one rank must stop every rank: inside, an exception on
     some rank is announced as an agreement ("raise ..."); the ranks that passed their checks
     see it at their next ``agree`` and raise too, instead of entering a collective that rank
@@ -79,5 +81,5 @@ def raising_together(group=None, device=None):
         yield
     except Exception as e:
         with contextlib.suppress(Disagreement):  # the others differ, of course: say ours
-            agree(f"raise {type(e).__name__}: {e}", group=group, device=device)
+            agree(f"raise {type(e).__name__}: {e}", group=group, device=device, ctx=ctx)
         raise

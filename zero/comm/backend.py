@@ -1,15 +1,16 @@
 """The one place that calls ``torch.distributed``: the seam for another backend.
 
-Everything above this file moves data through these few functions, so another transport (a
-simulator, a different library, a quantizing wrapper) replaces this file and nothing else.
-Each function is the ``torch.distributed`` call of the same name, with the group made
-explicit; the ledger, the agreement and the local shortcuts for a group of one rank live
-above it (``zero/comm/collectives.py``).
+``TorchBackend`` is the ``Backend`` of ``zero/api.py``: every collective zero issues goes
+through one such object (held by the model's ``CommContext``, ``zero/comm/context.py``), so
+another transport (a simulator, another library, one that logs: ``logging_backend.py``) is an
+object that wraps or replaces it, given to ``zero.shard(..., backend=...)``. Each method is the
+``torch.distributed`` call of the same name, with the group made explicit; the ledger, the
+agreement and the local shortcuts for a group of one rank live above it
+(``zero/comm/collectives.py``). The functions below the class answer questions about groups
+(rank, size, backend name), which move no data.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,34 +48,59 @@ def new_group(ranks: list[int]):
     return dist.new_group(ranks)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    """(S,) per rank -> (N*S,), rank r's input at [r*S, (r+1)*S)."""
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
+# [Note: bounded waits] gloo honours ``Work.wait(timeout)`` for its all-gather, all-reduce,
+# all-to-all and broadcast, but not for its reduce-scatter, whose handle has no future and never
+# reports ``is_completed()`` (torch 2.13): that one is waited for on a helper thread. NCCL's
+# ``wait(timeout)`` blocks the CPU until the collective completes (it would stop every overlap
+# of compute and communication): there only the waits whose result the CPU reads anyway are
+# bounded (zero/comm/waits.py).
+_BOUNDED = ("gloo", "fake")  # backends whose wait(timeout) does not block on the device
+_IGNORED = {("gloo", "reduce_scatter")}  # ... but whose wait ignores the timeout for this op
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group, async_op: bool):
-    """(N*S,) per rank -> (S,): slice r of the reduction over ranks, on rank r."""
-    return _reduce_scatter_flat(output, input, op=OPS[op], group=group, async_op=async_op)
+class TorchBackend:
+    """``torch.distributed``'s collectives, with the group explicit (``zero/api.py``'s
+    ``Backend``). It holds no state: one is as good as another."""
 
+    def __repr__(self) -> str:
+        return "TorchBackend()"
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    """(N*C,) per rank -> (N*C,): chunk s of rank r's input lands as chunk r of rank s's output."""
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    rank = staticmethod(lambda group=None: rank(group))
+    world_size = staticmethod(lambda group=None: world_size(group))
+    name = staticmethod(lambda group=None: name(group))
+    world = staticmethod(lambda: world())
+    global_rank = staticmethod(lambda group, group_rank: global_rank(group, group_rank))
+    default_device = staticmethod(lambda group=None: default_device(group))
 
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+        """(S,) per rank -> (N*S,), rank r's input at [r*S, (r+1)*S)."""
+        return _all_gather_flat(output, input, group=group, async_op=async_op)
 
-def all_reduce(tensor: torch.Tensor, op: str, group, async_op: bool):
-    return dist.all_reduce(tensor, op=OPS[op], group=group, async_op=async_op)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, group,
+                       async_op: bool):
+        """(N*S,) per rank -> (S,): slice r of the reduction over ranks, on rank r."""
+        return _reduce_scatter_flat(output, input, op=OPS[op], group=group, async_op=async_op)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+        """(N*C,) per rank -> (N*C,): chunk s of rank r's input is chunk r of rank s's output."""
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
-def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool):
-    """``src`` is a rank of ``group``."""
-    return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
+    def all_reduce(self, tensor: torch.Tensor, op: str, group, async_op: bool):
+        return dist.all_reduce(tensor, op=OPS[op], group=group, async_op=async_op)
 
+    def broadcast(self, tensor: torch.Tensor, src: int, group, async_op: bool):
+        """``src`` is a rank of ``group``."""
+        return dist.broadcast(tensor, src=global_rank(group, src), group=group,
+                              async_op=async_op)
 
-def all_gather_object(obj: Any, group) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    def bounded_wait(self, group, op: str) -> str:
+        """How a wait on this collective can be bounded (the note above): "timeout" (the
+        handle's own), "thread" (a helper thread waits, the caller waits for it with a bound)
+        or "none" (only a wait whose result the CPU reads at once is bounded)."""
+        kind = name(group)
+        if kind not in _BOUNDED:
+            return "none"
+        return "thread" if (kind, op) in _IGNORED else "timeout"
 
 
 def alone(group=None) -> bool:

@@ -18,13 +18,16 @@ record's ``done`` is filled in when this rank's ``wait()`` for it returns.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from zero.comm import backend
+# The ledgers active here: a context variable (each thread of execution its own; work done
+# for this code on another thread runs in a copy of its context, as disk offload's I/O does).
+_ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_ledgers", default=())
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Record:
     unit: str
     phase: str  # "init", "forward", "backward", "step", "agree" or "other"
     time: float  # time.perf_counter() when it was issued (a timeline of one step)
-    group: str = "world"  # which group it crossed (``name_group``): "intra-node"...
+    group: str = "world"  # which group it crossed (``CommContext.name_group``): "intra-node"
     ranks: int = 1  # how many ranks that group has
     done: float | None = None  # when this rank's wait() for it returned (None: not yet)
 
@@ -59,11 +62,11 @@ class Ledger:
         self.on_record = on_record
 
     def __enter__(self) -> "Ledger":
-        _ACTIVE.append(self)
+        _ACTIVE.set((*_ACTIVE.get(), self))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
+        _ACTIVE.set(tuple(lg for lg in _ACTIVE.get() if lg is not self))
 
     def reset(self) -> None:
         self.records.clear()
@@ -87,50 +90,39 @@ class Ledger:
         return len(self.select(op, phase))
 
 
-_ACTIVE: list[Ledger] = []
-_GROUP_NAMES: dict[Any, str] = {}
-
-
-def name_group(group, name: str) -> None:
-    """Give ``group`` a name for the ledger (HSDP's "shard" and "replicate" groups)."""
-    _GROUP_NAMES[backend.world() if group is None else group] = name
-
-
-def group_name(group) -> str:
-    group = backend.world() if group is None else group
-    default = "world" if group is backend.world() else f"{backend.world_size(group)} ranks"
-    return _GROUP_NAMES.get(group, default)
-
-
-def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str,
-           phase: str) -> Record | None:
-    """Note a collective about to be launched in every active ledger (None if there is none)."""
-    if not _ACTIVE:
+def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase: str,
+           ctx) -> Record | None:
+    """Note a collective about to be launched in every active ledger (None if there is none);
+    ``ctx`` (its ``CommContext``) names the group and counts its ranks."""
+    active = _ACTIVE.get()
+    if not active:
         return None
-    n = backend.world_size(group)
+    n = ctx.backend.world_size(group)
     nbytes = buffer.numel() * buffer.element_size()
     rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
-                 time.perf_counter(), group_name(group), n)
-    for ledger in _ACTIVE:
+                 time.perf_counter(), ctx.group_name(group), n)
+    _note(active, rec)
+    return rec
+
+
+def _note(active: tuple, rec: Record) -> None:
+    for ledger in active:
         ledger.records.append(rec)
         if ledger.on_record is not None:
             ledger.on_record(rec)
-    return rec
 
 
 def record_copy(kind: str, tensor: torch.Tensor, unit: str, phase: str) -> Record | None:
     """Note a copy between host and device (``kind`` "h2d" or "d2h") or between memory and
     disk ("read", "write"): bytes moved, none sent."""
-    if not _ACTIVE:
+    active = _ACTIVE.get()
+    if not active:
         return None
     nbytes = tensor.numel() * tensor.element_size()
     now = time.perf_counter()
     where = "disk" if kind in ("read", "write") else "host"
     rec = Record(kind, tensor.dtype, nbytes, 0, unit, phase, now, where, 1, done=now)
-    for ledger in _ACTIVE:
-        ledger.records.append(rec)
-        if ledger.on_record is not None:
-            ledger.on_record(rec)
+    _note(active, rec)
     return rec
 
 

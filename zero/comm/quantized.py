@@ -78,7 +78,7 @@ class QuantizedWeights(FlatCollectives):
         return q.view(-1), scale.view(-1)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str):
+                   in_place: bool, group, unit: str, phase: str, ctx=None):
         if in_place:
             raise ValueError("QuantizedWeights (qwZ) rewrites every rank's slot of the full "
                              "buffer with dequantized values: it needs the shard apart from it "
@@ -90,7 +90,7 @@ class QuantizedWeights(FlatCollectives):
         message = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
         gathered = message.new_empty(n, message.numel())
         work = collectives.all_gather(gathered.view(-1), message, group=group, unit=unit,
-                                      phase=phase, async_op=True)
+                                      phase=phase, async_op=True, ctx=ctx)
         return _Dequantized(work, gathered, full, n, shard.numel(), q.numel())
 
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import backend, collectives, ledger
+from zero.comm import backend, collectives
+from zero.comm.context import context_of
 from zero.comm.flat_collectives import FlatCollectives
 from zero.comm.quantized import dequantize_rows, quantize_rows
 
@@ -83,9 +84,7 @@ class QuantizedGradients(FlatCollectives):
                              f"{self.ranks}: build the policy on the ranks of the mesh only")
         self.intra, self.inter = mesh.get_group(1), mesh.get_group(0)
         self.block, self.weights = block, weights or FlatCollectives()
-        self.in_place_ok = getattr(self.weights, "in_place_ok", True)
-        ledger.name_group(self.intra, "intra-node")
-        ledger.name_group(self.inter, "inter-node")
+        self.in_place_ok = self.weights.in_place_ok
 
     def __repr__(self) -> str:
         return (f"QuantizedGradients(mesh={self.nodes}x{self.per_node}, block={self.block}, "
@@ -113,7 +112,7 @@ class QuantizedGradients(FlatCollectives):
         return r * (nb * self.block // 2 + 4 * nb)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str):
+                       phase: str, ctx=None):
         n, g = self.nodes, self.per_node
         sharded_over = [backend.global_rank(group, r) for r in range(backend.world_size(group))]
         if sharded_over != self.ranks:  # (the same answer on every rank of the group)
@@ -129,17 +128,20 @@ class QuantizedGradients(FlatCollectives):
         for j in range(g):  # to local rank j: the n shards it owns (one chunk at a time, so
             send[j] = self.encode(shards[:, j, :])  # that no copy of the whole gradient is made)
         recv = torch.empty_like(send)
+        ctx = context_of(ctx)
+        ctx.name_group(self.intra, "intra-node")  # (for the ledger)
+        ctx.name_group(self.inter, "inter-node")
         work = collectives.all_to_all(recv.view(-1), send.view(-1), group=self.intra, unit=unit,
-                                      phase=phase, async_op=True)
-        return _SecondHop(self, work, recv, grad, slot, size, op, unit, phase)
+                                      phase=phase, async_op=True, ctx=ctx)
+        return _SecondHop(self, work, recv, grad, slot, size, op, unit, phase, ctx)
 
 
 class _SecondHop:
     """Hop 1 in flight; ``wait()`` sums it, runs hop 2, and leaves the shard in ``grad[slot]``."""
 
-    def __init__(self, policy, work, recv, grad, slot, size, op, unit, phase):
+    def __init__(self, policy, work, recv, grad, slot, size, op, unit, phase, ctx):
         self.policy, self.work, self.recv, self.grad, self.slot = policy, work, recv, grad, slot
-        self.size, self.op, self.unit, self.phase = size, op, unit, phase
+        self.size, self.op, self.unit, self.phase, self.ctx = size, op, unit, phase, ctx
 
     def wait(self):
         p, size = self.policy, self.size
@@ -152,7 +154,8 @@ class _SecondHop:
             node_part += p.decode(self.recv[j], n, size)
         send = p.encode(node_part)  # row i' (shard i'*g + j) to node i'
         recv = torch.empty_like(send)
-        collectives.all_to_all(recv, send, group=p.inter, unit=self.unit, phase=self.phase)
+        collectives.all_to_all(recv, send, group=p.inter, unit=self.unit, phase=self.phase,
+                               ctx=self.ctx)
         total = torch.zeros(size, dtype=torch.float32, device=self.grad.device)
         for part in recv.view(n, -1):  # every node's part of our shard, in node order
             total += p.decode(part, 1, size)[0]

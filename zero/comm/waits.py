@@ -14,34 +14,26 @@ initialisation (it uses 100 s once training runs); six times shorter than torch'
 A job that legitimately keeps ranks apart for longer sets ``ZERO_TIMEOUT``; ``ZERO_TIMEOUT=0``
 removes the bound (waits as torch does, until the process group's timeout).
 
-The bound costs no collective: it is a timeout on the wait itself. gloo honours
-``Work.wait(timeout)`` (it raises "Operation timed out") for its all-gather, all-reduce,
-all-to-all and broadcast, but not for its reduce-scatter, whose handle also has no future and never reports
-``is_completed()`` (torch 2.13): that one is waited for on a helper thread while this one waits
-for it with a bound (``_IGNORED``; tests/test_comm.py checks that it still needs it). NCCL's
-``wait(timeout)`` instead
-blocks the CPU until the collective completes, which would stop every overlap of compute and
-communication; so on NCCL only the agreement (whose result the CPU reads anyway) is bounded
-here, and the process group's own timeout bounds the rest (NCCL's watchdog aborts a collective
-older than the ``timeout`` given to ``init_process_group``: set it as you set ``ZERO_TIMEOUT``).
+The bound costs no collective: it is a timeout on the wait itself, where the backend can
+bound one (``Backend.bounded_wait``: gloo's reduce-scatter is waited for on a helper thread;
+on NCCL only the agreement, whose result the CPU reads anyway, is bounded here, and the
+process group's own timeout bounds the rest: NCCL's watchdog aborts a collective older than
+the ``timeout`` given to ``init_process_group``, so set it as you set ``ZERO_TIMEOUT``).
 """
 
 from __future__ import annotations
 
-import collections
+import contextvars
 import datetime
 import os
 import threading
 
-from zero.comm import backend
-
 DEFAULT_TIMEOUT_S = 300.0
-_BOUNDED = ("gloo", "fake")  # backends whose wait(timeout) does not block on the device
-_IGNORED = {("gloo", "reduce_scatter")}  # ... but whose wait ignores the timeout for this op
 
-_count: dict = {}  # collectives this rank issued, per group
-_last: collections.deque = collections.deque(maxlen=3)  # the last few, for the message
-_expired: list[str] = []  # the collectives whose wait expired: the group is broken after one
+# The collectives whose wait expired in this thread of execution (after one, the process
+# group is out of step: a launcher reads this to skip a farewell barrier). A context
+# variable, not a process-wide list: it belongs to the code that waited.
+_EXPIRED: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_expired", default=())
 
 
 class CollectiveTimeout(RuntimeError):
@@ -53,39 +45,32 @@ def timeout_seconds() -> float:
 
 
 def expired() -> list[str]:
-    """The collectives this process gave up waiting for. After one its process group is out of
+    """The collectives this thread gave up waiting for. After one its process group is out of
     step with the others' (a collective left pending), so nothing issued on it can be trusted
     to complete: a launcher uses this to skip a farewell barrier."""
-    return list(_expired)
+    return list(_EXPIRED.get())
 
 
-def issued(what: str, group) -> str:
-    """Number a collective this rank issues on ``group``; returns how the message names it."""
-    key = backend.world() if group is None else group
-    n = _count[key] = _count.get(key, 0) + 1
-    name = f"#{n} {what}"
-    _last.append(name)
-    return name
-
-
-def wait(work, name: str, group, op: str = "", always: bool = False):
+def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
     """``work.wait()``, bounded by ``ZERO_TIMEOUT`` where the backend allows it (or ``always``:
-    a wait whose result the CPU reads at once). ``op`` names the collective (``_IGNORED``)."""
-    kind, seconds = backend.name(group), timeout_seconds()
-    if seconds <= 0 or not (always or kind in _BOUNDED):
+    a wait whose result the CPU reads at once). ``op`` names the collective; ``ctx`` is the
+    ``CommContext`` it was issued through (its backend, and what it issued before)."""
+    seconds = timeout_seconds()
+    how = ctx.backend.bounded_wait(group, op)
+    if seconds <= 0 or (how == "none" and not always):
         return work.wait()
     # (a helper that cannot start, for want of memory, is that error, not a timeout)
-    helper = _Helper(work) if (kind, op) in _IGNORED else None
+    helper = _Helper(work) if how == "thread" else None
     try:
         if helper is not None:
             return helper.wait(seconds)
         return work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
-        _expired.append(name)
-        before = [n for n in _last if n != name]
+        _EXPIRED.set((*_EXPIRED.get(), name))
+        before = [n for n in ctx.last if n != name]
         raise CollectiveTimeout(
-            f"rank {backend.rank(group)} waited {seconds:.0f} s for collective {name} and the "
-            f"other ranks never joined it. Before it, this rank issued: "
+            f"rank {ctx.backend.rank(group)} waited {seconds:.0f} s for collective {name} and "
+            f"the other ranks never joined it. Before it, this rank issued: "
             f"{'; '.join(before) or 'nothing'}. Likely causes: a rank skipped a forward, a "
             "backward or an opt.step() that the others ran (or ran one they skipped, e.g. an "
             "evaluation on one rank); a rank raised and its exception was caught (a loop that "

@@ -59,7 +59,7 @@ def replaced_in_forward(unit) -> None:
     """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
     computed on something other than our parameters: its gradient is lost. Say so."""
     key = unit.storage_key()
-    for v, locs in zip(unit.views or [], unit.locations):
+    for v, locs in zip(unit.iteration.views or [], unit.locations):
         for mod, attr in locs:
             t = mod._parameters.get(attr)
             if t is not v or (t.numel() and _key(t) != key):

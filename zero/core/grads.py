@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zero.comm import backend, collectives
 from zero.core.flat import LocalShard
 
 
@@ -77,36 +76,35 @@ class Gradient:
 
     Args:
         leaf: the unit's full flat parameter, where autograd accumulates the gradient.
-        params: the unit's sharded parameters (their ``.grad`` is handed out here).
+        sharded_params: the unit's ``ShardedParam`` objects (their ``.sharded.grad`` is
+            handed out here).
         local: this rank's slot and pieces of the unit's layout.
         master: the unit's shard (its dtype and device are the parameters' ``.grad``'s).
-        reduce_dtype: the dtype of the reduce-scatter (``MixedPrecision.reduce_dtype``).
-        keeps_full: stage 1: the full gradient is kept until the step (``Stage``).
-        group: the ranks that shard the unit; replicate_group: HSDP's replicas, or None.
-        comm: how the full gradient is reduce-scattered (``zero/comm/flat_collectives.py``).
+        config: the unit's ``UnitConfig``: ``reduce_dtype`` (``MixedPrecision``), whether
+            the stage keeps the full gradient (stage 1), the comm policy that reduce-scatters
+            it, the offload policy that takes the reduced shard where the optimizer steps.
+        mesh: the unit's ``MeshInfo``: its group, and HSDP's replicas if any.
         name: the unit's name, for the ledger.
-        placement: where a DTensor gradient is placed (``Unit.placement``).
-        offload: CPU offload (``zero/offload.py``): the reduced shard goes to the host.
     """
 
-    def __init__(self, leaf: torch.Tensor, params: list, local: LocalShard, master: torch.Tensor,
-                 reduce_dtype, keeps_full: bool, group, replicate_group, comm, name: str,
-                 placement=None, offload=None):
-        self.leaf, self.params, self.local, self.master = leaf, params, local, master
-        self.reduce_dtype, self.keeps_full = reduce_dtype, keeps_full
-        self.group, self.replicate_group, self.comm, self.name = group, replicate_group, comm, name
-        self.placement = placement if placement is not None else group
-        self.offload = offload
-        self.replicas = 1 if replicate_group is None else backend.world_size(replicate_group)
-        self.world_size = backend.world_size(group)
+    def __init__(self, leaf: torch.Tensor, sharded_params: list, local: LocalShard,
+                 master: torch.Tensor, config, mesh, name: str):
+        self.leaf, self.sharded_params = leaf, sharded_params
+        self.local, self.master = local, master
+        self.config, self.mesh, self.name = config, mesh, name
+        self.reduce_dtype, self.keeps_full = config.reduce_dtype, config.keeps_full_gradient
         self.divide_factor: float | None = None  # FSDP2's set_gradient_divide_factor
         self.force_sum = False  # FSDP2's set_force_sum_reduction_for_comms
         self.unsynced: torch.Tensor | None = None  # no_sync micro-batches, in reduce_dtype
         self.reduction: Reduction | None = None  # a reduce-scatter in flight
         self.reduced: torch.Tensor | None = None  # the reduced shard, not yet handed out
-        self.used = [False] * len(params)  # which parameters got a gradient since the hand-out
+        self.used = [False] * len(sharded_params)  # which got a gradient since the hand-out
         self._zero_markers: dict = {}  # param index -> the zero .grad a no_sync backward left
         self._seen_grads: list = []  # (param, its .grad, version) when it left them
+
+    @property
+    def params(self) -> list:
+        return [sp.sharded for sp in self.sharded_params]
 
     def has_unsynced(self) -> bool:
         return self.leaf.grad is not None or self.unsynced is not None
@@ -146,14 +144,15 @@ class Gradient:
         kept = self.keeps_full and grad.dtype == self.reduce_dtype
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         grad = self.local.layout.to_wire(grad)  # (rows: rank-major, a copy; others: as it is)
-        d = divide_factors(grad.dtype, self.world_size, self.replicas, self.divide_factor,
-                           self.force_sum)
+        d = divide_factors(grad.dtype, self.mesh.world_size, self.mesh.replicas,
+                           self.divide_factor, self.force_sum)
         if d.premul is not None:
             grad.mul_(d.premul)  # a divide factor of the user's: sum(g * 1/factor)
         if d.pre is not None:
             grad.div_(d.pre)  # fp16: half of the mean's division before the sum, half after
-        work = self.comm.reduce_scatter(grad, self.local.slot, op=d.op, group=self.group,
-                                        unit=self.name, phase="backward")
+        work = self.config.comm.reduce_scatter(grad, self.local.slot, op=d.op,
+                                               group=self.mesh.group, unit=self.name,
+                                               phase="backward", ctx=self.mesh.context)
         # Stage 1 keeps every full gradient until the step anyway (gradients: Ψ, as in DDP);
         # stages 2/3 copy the slot out when it arrives and free the rest (not an upcast copy:
         # keeping it for one slot would cost the whole copy).
@@ -165,15 +164,10 @@ class Gradient:
         work, grad, d, keep = self.reduction
         work.wait()
         self.reduction = None
-        slot = self.local.slot
-        if self.offload is not None:  # device -> host, where the optimizer steps
-            shard = self.offload.to_host(grad[slot], self.name)
-        else:
-            shard = grad[slot] if keep else grad[slot].clone()  # frees the full one
-        if self.replicate_group is not None:
-            # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
-            collectives.all_reduce(shard, op=d.replicas_op, group=self.replicate_group,
-                                   unit=self.name, phase="backward")
+        # Our slot, where the optimizer steps: kept as a view of the full gradient (stage 1),
+        # or a copy that frees the full one, on the host under CPU offload (device -> host).
+        shard = self.config.offload.to_host(grad[self.local.slot], self.name, keep)
+        self.mesh.reduce_replicas(shard, d.replicas_op, self.config.comm, self.name)  # HSDP
         if d.post is not None and d.post != 1:
             shard.div_(d.post)
         if self.reduced is None:
@@ -189,16 +183,12 @@ class Gradient:
         if shard is None:
             return
         shard = shard.to(self.master.dtype)
-        for i, p in enumerate(self.params):
+        for i, sp in enumerate(self.sharded_params):
             if not used[i]:
                 continue  # unused everywhere: grad stays None, as in DDP
             g = self._exposed_piece(shard, i)
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+            if g is not None:
+                sp.accumulate_grad(g)
 
     # [Note: zero_grad under no_sync] DDP keeps a no_sync micro-batch's gradient in p.grad,
     # so opt.zero_grad() discards it. Ours waits in the unit's full flat gradient, which no
@@ -228,7 +218,7 @@ class Gradient:
         g = self.local.piece(shard, i)
         if not g.numel() and not self.local.layout.empty_pieces_get_grads:
             return None
-        return self.local.layout.exposed(g, i, self.local.rank, self.placement)
+        return self.local.layout.exposed(g, i, self.local.rank, self.mesh.placement)
 
     def _unmark(self) -> None:
         for i, marker in self._zero_markers.items():

@@ -66,12 +66,12 @@ def in_backward() -> bool:
 
 def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     root = root_of(unit)
-    if unit.cast_inputs:
+    if unit.config.cast_inputs:
         args, kwargs = map_tensors(unit.cast, (args, kwargs))
     if in_backward():  # activation-checkpoint recompute: gathered for backward
         root.schedule.free_deferred(but=unit)
         unit.unshard(phase="backward")
-        unit.state = State.PRE_BACKWARD
+        unit.iteration.state = State.PRE_BACKWARD
     else:
         if unit.parent is None:
             root.begin_forward()  # reset what a failure left behind, agree, refresh
@@ -80,8 +80,8 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
                 and unit.shard_written()):
             unit.shard_changed()  # called on its own, not from the root's forward
         unit.grads.discard_if_zeroed()
-        unit.state = State.FORWARD
-        unit.forward_calls += 1
+        unit.iteration.state = State.FORWARD
+        unit.iteration.forward_calls += 1
         unit.unshard(phase="forward", async_op=True)
         root.schedule.forward_started(unit, is_root=unit is root.unit)  # prefetches the next
         unit.wait_unshard()
@@ -95,7 +95,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
 
 
 def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
-    if unit.output_dtype is not None:  # (a recompute too: reentrant backward matches dtypes)
+    if unit.config.output_dtype is not None:  # (a recompute too: reentrant backward: dtypes)
         output = map_tensors(unit.cast_output, output)
     if in_backward():
         return output  # activation-checkpoint recompute: backward still needs everything
@@ -103,15 +103,15 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
         root_of(unit).guard.exit()
     checks.replaced_in_forward(unit)
     unit.use_sharded_params()
-    unit.state = State.IDLE
+    unit.iteration.state = State.IDLE
     # A unit of several modules (zero.shard([a, b])) stays gathered until all have run.
-    last = unit.forward_calls % len(unit.modules) == 0
+    last = unit.iteration.forward_calls % len(unit.modules) == 0
     if not torch.is_grad_enabled():
         if last:
             unit.reshard()  # no backward will come for this forward
         return output
     if unit.reshard_after_forward and last:
-        unit.reshard(keep_secondary=True)  # hpZ: backward gathers within the node
+        unit.reshard(after_forward=True)  # hpZ: backward gathers within the node
     for t in tensors_in(output):
         if t.requires_grad:
             t.register_hook(lambda grad: pre_backward(unit, grad))
@@ -122,8 +122,8 @@ def pre_backward(unit, grad: torch.Tensor) -> None:
     if unit.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
         root = root_of(unit)
         root.schedule.free_deferred(but=unit)
-        unit.backward_task = torch._C._current_graph_task_id()
-        unit.state = State.PRE_BACKWARD
+        unit.iteration.backward_task = torch._C._current_graph_task_id()
+        unit.iteration.state = State.PRE_BACKWARD
         unit.unshard(phase="backward", async_op=True)
         root.queue_final_callback()
         root.schedule.backward_started(unit)  # prefetches the unit before this one
@@ -135,8 +135,8 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
     """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
     root = root_of(unit)
     root.queue_final_callback()
-    unit.state = State.POST_BACKWARD
-    if not unit.requires_grad_sync:
+    unit.iteration.state = State.POST_BACKWARD
+    if not unit.controls.requires_grad_sync:
         unit.grads.keep_unsynced()
     elif unit.stage.reduces_when_complete(unit.keeps_full_gradient):
         root.schedule.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
@@ -146,8 +146,8 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
         # recompute with the full ones (its gradient then arrives in two parts, grads.py).
         return
     # Frozen parameters may still be read for an input gradient: see the module note.
-    if all(p.requires_grad for p in unit.params) or unit.inputs_done:
-        if torch._C._current_graph_task_id() != unit.backward_task:
+    if all(p.requires_grad for p in unit.params) or unit.iteration.inputs_done:
+        if torch._C._current_graph_task_id() != unit.iteration.backward_task:
             root.schedule.defer_reshard(unit)  # completed in a recompute's backward: module note
         else:
             unit.release_after_backward()
@@ -159,9 +159,10 @@ def use_unsharded_views(unit) -> None:
     """Compute with views into ``unsharded``, made once per iteration (two forwards before
     one backward then accumulate their gradients in the order DDP does)."""
     wants = tuple(p.requires_grad for p in unit.params)
-    if unit.views is None or unit.views_for != wants:  # new iteration, or (un)frozen
-        unit.views, unit.views_for = _make_views(unit, wants), wants
-    unit.use(unit.views)
+    it = unit.iteration
+    if it.views is None or it.views_for != wants:  # new iteration, or (un)frozen
+        it.views, it.views_for = _make_views(unit, wants), wants
+    unit.use(it.views)
 
 
 def _make_views(unit, wants: tuple[bool, ...]) -> list[torch.Tensor]:
@@ -194,8 +195,8 @@ class _InputGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
-        if unit.forward_calls == 1:  # called twice, the other call's backward may be to come
-            unit.inputs_done = True
+        if unit.iteration.forward_calls == 1:  # called twice: the other's backward may be due
+            unit.iteration.inputs_done = True
             if unit.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
                 unit.release_after_backward()
         return (None, *grads)

@@ -72,7 +72,7 @@ class Root:
     @property
     def schedule(self) -> Schedule:
         if self._schedule is None:
-            self._schedule = Schedule(self.units)
+            self._schedule = Schedule(self.units, prefetch=self.unit.controls.prefetch)
         return self._schedule
 
     # ---- the start of an iteration ---------------------------------------------------
@@ -91,6 +91,7 @@ class Root:
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
         comm.agree(self._since_last_forward(written), group=self.unit.all_group,
+                   ctx=self.unit.mesh.context,
                    device=self.unit.unsharded.device,
                    fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
@@ -102,7 +103,7 @@ class Root:
         self.backwards, self.schedule.reduced = 0, []
         for u in written:
             u.shard_changed()  # stages 1/2 gather the new parameters (async); stage 3 frees
-        if self.unit.broadcast_buffers:
+        if self.unit.controls.broadcast_buffers:
             self._broadcast_buffers()
 
     def _since_last_forward(self, written: list) -> str:
@@ -120,7 +121,7 @@ class Root:
         mode = "" if torch.is_grad_enabled() else " under no_grad"  # (an evaluation on one rank)
         return (f"start a forward{mode} after {self.backwards} backward(s) since the last one; "
                 f"shards written (opt.step) in units: {names(written)}; units in no_sync: "
-                f"{names([u for u in self.units if not u.requires_grad_sync])}; the last "
+                f"{names([u for u in self.units if not u.controls.requires_grad_sync])}; the last "
                 f"forward ran {len(ran)} unit(s){order}")
 
     def _broadcast_buffers(self) -> None:
@@ -129,7 +130,8 @@ class Root:
         for dtype in sorted({b.dtype for b in buffers}, key=str):
             same = [b for b in buffers if b.dtype == dtype]
             flat = torch.cat([b.reshape(-1) for b in same])
-            comm.broadcast(flat, src=0, group=self.unit.all_group, unit="root", phase="forward")
+            comm.broadcast(flat, src=0, group=self.unit.all_group, unit="root", phase="forward",
+                           ctx=self.unit.mesh.context)
             for b, v in zip(same, flat.split([b.numel() for b in same])):
                 b.copy_(v.view_as(b))
 
@@ -152,7 +154,7 @@ class Root:
 
     def finish_backward(self) -> None:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
-        synced = [u for u in self.units if u.requires_grad_sync]  # the rest keep accumulating
+        synced = [u for u in self.units if u.controls.requires_grad_sync]  # the rest accumulate
         self.schedule.finish_backward(synced)
         # A parameter unused on this rank may be used on another: agree on "used" (max),
         # like DDP's find_unused_parameters, with one small all-reduce per backward, in flight
@@ -162,6 +164,7 @@ class Root:
         if used and not comm.simulated(self.unit.group):
             flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
             work = comm.all_reduce(flags, op="max", group=self.unit.all_group, unit="root",
+                                   ctx=self.unit.mesh.context,
                                    phase="backward", async_op=True)
         self.schedule.wait_reductions(synced)
         if work is not None:
@@ -172,7 +175,7 @@ class Root:
             u.grads.assign(used[offset : offset + len(u.params)])
             offset += len(u.params)
         for u in self.units:
-            if not u.requires_grad_sync:
+            if not u.controls.requires_grad_sync:
                 u.grads.mark_unsynced()  # so that zero_grad() can discard it, as with DDP
             u.end_iteration()
         self._callback_queued = False

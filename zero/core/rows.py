@@ -38,16 +38,6 @@ def local_tensor(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-_MESHES: dict = {}  # (group, device type) -> its 1-D DeviceMesh, made once
-
-
-def _mesh(group, device_type: str) -> DeviceMesh:
-    key = (group or backend.world(), device_type)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(key[0], device_type)
-    return _MESHES[key]
-
-
 class RowsLayout:
     """FSDP2's dim-0 chunks (see the module docstring).
 
@@ -140,7 +130,8 @@ class RowsLayout:
         views ``piece``."""
         lo, hi = self.rows_of(i, rank)
         shape = self.shapes[i]
-        mesh = group if isinstance(group, DeviceMesh) else _mesh(group, piece.device.type)
+        mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(
+            group or backend.world(), piece.device.type)  # (a unit makes its mesh once)
         placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, placements,

@@ -6,7 +6,10 @@ or a reduction does is the unit's (``zero/core/unit.py``, ``zero/core/grads.py``
 - Forward prefetch: while a unit computes, the *next* unit's all-gather is already running
   (the one that ran after it last iteration, or ``set_modules_to_forward_prefetch``'s list);
   backward prefetch likewise gathers the unit that ran *before* it. So at most two units are
-  unsharded at once besides any that keep their parameters (the root, by default).
+  unsharded at once besides any that keep their parameters (the root, by default). With
+  ``prefetch=d`` (``zero.shard(root, prefetch=d)``) the next d units are gathered, and at most
+  d + 1 are unsharded at once: ``ahead`` and ``behind`` say which, and the bench's memory
+  model asks them too (``zerolab/memory.py``).
 - Reductions: collectives pair up by the order they are issued in, so every rank must issue
   the reductions in the same order. Stages 2/3 start each as its gradient completes, as FSDP2
   does, and keep at most one in flight, ended before the next unit's gradient begins, so that
@@ -22,13 +25,17 @@ from __future__ import annotations
 
 
 class Schedule:
-    """One per root. ``units``: every unit under the root, in module order, the root first."""
+    """One per root (``zero/api.py``'s ``Schedule``).
 
-    def __init__(self, units: list):
-        self.units = units
+    Args:
+        units: every unit under the root, in module order, the root first.
+        prefetch: how many units to gather ahead of the one computing (1: FSDP2's).
+    """
+
+    def __init__(self, units: list, prefetch: int = 1):
+        self.units, self.prefetch = units, prefetch
         self.order: list = []  # units in the order their forward ran, this iteration
         self.last_order: list = []  # the same for the previous iteration
-        self.reducing = None  # the unit whose reduce-scatter is in flight (stages 2/3)
         self.queue: list | None = None  # stage 1: the order reductions start in
         self.ready: set = set()  # units whose gradient is complete, waiting for their turn
         self.reduced: list = []  # reductions started since the root's last forward
@@ -36,10 +43,19 @@ class Schedule:
 
     def reset(self) -> None:
         """A new iteration after one that failed part-way: forget what was in flight."""
-        self.reducing, self.order = None, []
+        self.order = []
         self.queue, self.ready, self.deferred = None, set(), []
 
     # ---- prefetching --------------------------------------------------------------------
+
+    def ahead(self, order: list, pos: int) -> list:
+        """The units gathered while ``order[pos]`` computes its forward: the next ones."""
+        return order[pos + 1 : pos + 1 + self.prefetch]
+
+    def behind(self, order: list, pos: int) -> list:
+        """The units gathered while ``order[pos]`` computes its backward: those before it,
+        the nearest first."""
+        return order[max(0, pos - self.prefetch) : pos][::-1]
 
     def forward_started(self, unit, is_root: bool) -> None:
         """``unit`` starts its forward: record it, and start gathering the unit after it."""
@@ -47,27 +63,27 @@ class Schedule:
             self.last_order, self.order = self.order or self.last_order, []
         pos = len(self.order)
         self.order.append(unit)
-        if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch
-            nexts = unit.forward_prefetch
+        if unit.controls.forward_prefetch is not None:  # set_modules_to_forward_prefetch
+            nexts = unit.controls.forward_prefetch
+        elif pos < len(self.last_order) and self.last_order[pos] is unit:
+            nexts = self.ahead(self.last_order, pos)  # as it ran last iteration
         else:
-            nxt = self.last_order[pos + 1] if pos + 1 < len(self.last_order) else None
-            nexts = [nxt] if nxt is not None and self.last_order[pos] is unit else []
+            nexts = []
         for nxt in nexts:
             if nxt.stage.frees_parameters:
                 nxt.unshard(phase="forward", async_op=True)
 
     def backward_started(self, unit) -> None:
         """``unit`` starts its backward: start gathering the unit that ran before it."""
-        if self.reducing is not None and not unit.stage.keep_grads:
+        if not unit.stage.keep_grads and (prev := self._in_flight()) is not None:
             # The previous unit's reduce-scatter ends before this unit's gradient begins:
             # then at most one full gradient is alive, besides the one being formed.
-            self.reducing.grads.wait_reduce()
-            self.reducing = None
-        if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch
-            prevs = unit.backward_prefetch
+            prev.grads.wait_reduce()
+        if unit.controls.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            prevs = unit.controls.backward_prefetch
         else:
             idx = max((i for i, u in enumerate(self.order) if u is unit), default=0)
-            prevs = [self.order[idx - 1]] if idx > 0 else []
+            prevs = self.behind(self.order, idx)
         for prev in prevs:
             if prev.stage.frees_parameters:
                 prev.unshard(phase="backward", async_op=True)
@@ -96,7 +112,8 @@ class Schedule:
             return
         if self.queue is None:  # the first gradient of this backward
             self.queue = [u for u in reversed(self.units) if u.keeps_full_gradient and
-                          u.forward_calls and u.requires_grad_sync and u.unsharded.requires_grad]
+                          u.iteration.forward_calls and u.controls.requires_grad_sync and
+                          u.unsharded.requires_grad]
         if unit in self.queue:
             self.ready.add(unit)
             while self.queue and self.queue[0] in self.ready:
@@ -112,10 +129,15 @@ class Schedule:
         if unit.keeps_full_gradient:
             unit.grads.start_reduce()
             return
-        if self.reducing is not None:
-            self.reducing.grads.wait_reduce()
+        if (prev := self._in_flight()) is not None:
+            prev.grads.wait_reduce()
         unit.grads.start_reduce()
-        self.reducing = unit
+
+    def _in_flight(self):
+        """The unit whose reduce-scatter is in flight, one at a time (stages 2/3), if any: its
+        gradient's own ``reduction`` says so (the schedule keeps no second record of it)."""
+        return next((u for u in reversed(self.reduced)
+                     if not u.keeps_full_gradient and u.grads.reduction is not None), None)
 
     def finish_backward(self, synced: list) -> None:
         """The end of backward: every gradient not yet reduced, in the units' order, which
@@ -131,4 +153,3 @@ class Schedule:
     def wait_reductions(self, synced: list) -> None:
         for u in synced:
             u.grads.wait_reduce()
-        self.reducing = None

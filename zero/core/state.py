@@ -4,12 +4,14 @@ Each is one enum whose members say their transition (FSDP2's ``TrainingState`` a
 ``ShardedState``, DeepSpeed's ``ZeroParamStatus``), instead of flags that could contradict
 each other. ``zero/core/hooks.py`` moves a unit through ``TrainingState``;
 ``zero/core/unit.py`` moves it through ``ShardedState``. ``Held`` is what a unit shows an
-observer of both (``Unit.held()``).
+observer of both (``Unit.held()``). ``Iteration`` holds the rest of what a unit knows of the
+current iteration, made anew when it ends; ``Controls`` the user's settings for it.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -33,15 +35,16 @@ class TrainingState(enum.Enum):
 class ShardedState(enum.Enum):
     """What a unit holds of its parameters, besides its shard (which it always holds).
 
-    SHARDED    nothing more: the full flat buffer's storage is freed (0 bytes)
-    SECONDARY  hpZ: freed, but this rank keeps its slice of the parameters over its node
-               (a secondary shard), from which backward gathers within the node
-    GATHERING  the full buffer is allocated and an all-gather into it is in flight
-    UNSHARDED  the full parameters are readable
+    SHARDED               nothing more: the full flat buffer's storage is freed (0 bytes)
+    SHARDED_POST_FORWARD  freed, but this rank keeps its slice of the parameters over a
+                          smaller group (hpZ: its node; FSDP2's name), from which backward
+                          gathers within that group
+    GATHERING             the full buffer is allocated and an all-gather into it is in flight
+    UNSHARDED             the full parameters are readable
     """
 
     SHARDED = "sharded"
-    SECONDARY = "secondary"
+    SHARDED_POST_FORWARD = "sharded_post_forward"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
 
@@ -56,8 +59,37 @@ class Held(NamedTuple):
     training_state: TrainingState
     sharded: torch.Tensor  # this rank's shard (master dtype), always held
     unsharded: torch.Tensor  # the full flat parameters (compute dtype)
-    secondary: torch.Tensor | None  # hpZ's secondary shard, between forward and backward
+    secondary: torch.Tensor | None  # hpZ's secondary shard (SHARDED_POST_FORWARD)
     gradient: torch.Tensor | None  # autograd's full flat gradient (unsharded.grad)
     reducing: torch.Tensor | None  # the full gradient a reduce-scatter in flight reduces
     reduced: torch.Tensor | None  # the reduced gradient shard, not yet handed out
     unsynced: torch.Tensor | None  # no_sync micro-batches kept in reduce_dtype
+
+
+@dataclass
+class Iteration:
+    """A unit's state in the current iteration, written only by ``zero/core/hooks.py``; a
+    new one replaces it when the iteration ends (``Unit.end_iteration``), so nothing a failed
+    iteration left can leak into the next."""
+
+    state: TrainingState = TrainingState.IDLE
+    forward_calls: int = 0  # forwards this iteration
+    inputs_done: bool = False  # backward has computed the gradients of the unit's inputs
+    backward_task: int = -1  # the autograd graph task that reached the unit's outputs
+    views: list | None = None  # the views into the gathered buffer the module computes with
+    views_for: tuple = ()  # which parameters required grad when those views were made
+
+
+@dataclass
+class Controls:
+    """The user's settings for a unit, FSDP2's controls (``zero/controls.py``, ``no_sync``,
+    ``fully_shard``'s methods) and ``zero.shard``'s arguments that may change later."""
+
+    reshard_after_forward: bool | None = None  # stage 3; None: decided by the unit's role
+    reshard_after_backward: bool = True  # False: keep gathered for the next micro-batch
+    requires_grad_sync: bool = True  # False: accumulate unsynced (no_sync)
+    pinned: bool = False  # zero.unshard(module): gathered until zero.reshard(module)
+    forward_prefetch: list | None = None  # explicit lists; None: the schedule's own order
+    backward_prefetch: list | None = None
+    broadcast_buffers: bool = False  # the root: rank 0's buffers before each forward
+    prefetch: int = 1  # the root: units gathered ahead of the one computing (the schedule's)

@@ -23,25 +23,45 @@ Stage 3 frees ``unsharded`` between uses by resizing its storage to 0 bytes; the
 in the autograd graph stay valid because the same storage is refilled before backward, and
 ``zero/core/saved_tensors.py`` raises if backward ever reaches them while it is empty.
 
-What the unit holds of its parameters is one ``ShardedState`` (``zero/core/state.py``), moved
-only by ``unshard``, ``wait_unshard``, ``reshard`` and ``shard_changed`` below; its gradient is
-one ``Gradient`` (``zero/core/grads.py``), ``unit.grads``. When each of these things happens
+A unit is FSDP2's parameter group: what it holds is split among a few objects, each with
+one concern, so that a new capability has a home that is not this class:
+
+- ``config`` and ``mesh`` (``zero/core/config.py``): what ``zero.shard`` decided, frozen: the
+  stage, dtypes, layout, comm and offload policies; the ranks it talks to (HSDP, hpZ);
+- ``sharded_params`` (``zero/core/param.py``): one object per original parameter, its
+  module slots and its sharded ``nn.Parameter``;
+- ``grads`` (``zero/core/grads.py``): the gradient half, from autograd's flat ``.grad`` to
+  the parameters' ``.grad``;
+- ``iteration`` and ``controls`` (``zero/core/state.py``): what the unit knows of the current
+  iteration (written by ``zero/core/hooks.py`` only, made anew when it ends), and the user's
+  settings (FSDP2's controls).
+
+What the unit holds of its parameters is one ``ShardedState``, moved only by ``unshard``,
+``wait_unshard``, ``reshard`` and ``shard_changed`` below. When each of these things happens
 is ``zero/core/hooks.py`` (the life of a unit in one iteration) and ``zero/core/schedule.py``
 (prefetching, the order of reductions). ``held()`` tells an observer what the unit holds.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
-from zero.comm import backend
-from zero.comm.flat_collectives import DEFAULT as DEFAULT_COLLECTIVES
 from zero.core import checks, registry
-from zero.core.flat import FlatLayout
+from zero.core.config import MeshInfo, UnitConfig
 from zero.core.grads import Gradient
+from zero.core.param import ShardedParam
 from zero.core.rows import CopiedOut
-from zero.core.state import Held, ShardedState, TrainingState
+from zero.core.state import Controls, Held, Iteration, ShardedState, TrainingState
+
+
+class AllGather(NamedTuple):
+    """An all-gather in flight into the unit's full buffer (``ShardedState.GATHERING``)."""
+
+    work: object  # its handle: the full parameters are readable after ``wait()``
+    phase: str
 
 
 class Unit:
@@ -51,107 +71,98 @@ class Unit:
         modules: the modules sharded together (usually one).
         params, locations: the unit's parameters, and per parameter every (module,
             attribute) that uses it.
-        stage: a ``Stage``; group: the ranks that shard the unit; mp_policy: a
-            ``MixedPrecision`` or None; reshard_after_forward: stage 3's setting (None:
-            decided by whether the unit is the root); device: where the shards live.
-        replicate_group, secondary_group, all_group: HSDP's replicas, hpZ's node, and the
-            group of every rank training (notes/14).
-        comm: how the unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``).
-        layout: which rank holds which element: a class like ``FlatLayout``
-            (``zero/core/flat.py``), made from the parameters' shapes and the world size.
-        mesh: the ``DeviceMesh`` the user gave, if any (1-D: ``group``'s; 2-D: HSDP's):
-            DTensor parameters (layout "rows") are placed on it.
-        offload: where the shards live and how they cross to the compute device
-            (``zero/offload.py``), or None: on the compute device.
+        config: the unit's policies (``UnitConfig``); mesh: who it talks to (``MeshInfo``).
+        controls: the user's settings (``Controls``): ``reshard_after_forward`` and the rest.
     """
 
-    def __init__(self, modules, params, locations, stage, group, mp_policy, reshard_after_forward,
-                 device, replicate_group=None, secondary_group=None, all_group=None,
-                 comm=DEFAULT_COLLECTIVES, layout=FlatLayout, mesh=None, offload=None):
+    def __init__(self, modules, params, locations, config: UnitConfig, mesh: MeshInfo,
+                 controls: Controls):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
-        self.module = modules[0]
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
-        self.stage = stage
-        self.group = group  # the ranks that shard this unit among themselves
-        self.rank, self.world_size = backend.rank(group), backend.world_size(group)
-        self.replicate_group, self.secondary_group = replicate_group, secondary_group
-        self.all_group = all_group if all_group is not None else group  # every rank training
-        self.comm, self.offload = comm, offload
-        self.placement = mesh if mesh is not None else group  # where DTensors are placed
-        self.locations = locations  # per parameter: the (module, attribute) pairs that use it
-        self.layout = layout([p.shape for p in params], self.world_size)
-        self.local = self.layout.local(self.rank)  # our slot and pieces
-        dtype = params[0].dtype if params else torch.float32
-        self.param_dtype = (mp_policy and mp_policy.param_dtype) or dtype
-        self.reduce_dtype = (mp_policy and mp_policy.reduce_dtype) or self.param_dtype
-        self.cast_inputs = (mp_policy is not None and mp_policy.param_dtype is not None
-                            and getattr(mp_policy, "cast_forward_inputs", True))
-        self.output_dtype = getattr(mp_policy, "output_dtype", None)
-        self.reshard_after_forward_setting = reshard_after_forward  # stage 3; None: by role
-        self.requires_grad_sync = True
+        self.config, self.mesh, self.controls = config, mesh, controls
         self.parent: Unit | None = None
         self.sibling_of: Unit | None = None  # the unit made from the same modules (frozen part)
         self.root_state = None  # the root's duties, if this unit is the root (zero/core/root.py)
-        self.state = TrainingState.IDLE
+        self.iteration = Iteration()
+        self.layout = config.layout([p.shape for p in params], mesh.world_size)
+        self.local = self.layout.local(mesh.rank)  # our slot and pieces
 
         # A module built on the meta device has no values yet: zero.init_parameters fills them.
         self.materialized = not any(p.is_meta for p in params)
         with torch.no_grad():
             # Autograd leaf first; _unsharded_data aliases its storage (see the module note).
-            self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.param_dtype,
-                                         device=device)
+            self.unsharded = torch.empty(self.layout.padded_numel, dtype=config.param_dtype,
+                                         device=config.device)
             self._unsharded_data = self.unsharded.data
-            self.shard_in_place = (stage.shards_in_place(self.param_dtype, dtype)
-                                   and not self.layout.copies and offload is None)
-            if self.shard_in_place and not getattr(comm, "in_place_ok", True):
-                raise ValueError(f"{comm!r} needs the shard apart from the full buffer, but "
-                                 f"stage {stage.number} without a cast keeps it inside: use "
-                                 "stage 3, or compute in another dtype (mp_policy)")
-            if self.shard_in_place:
+            if config.shards_in_place and not config.comm.in_place_ok:
+                raise ValueError(f"{config.comm!r} needs the shard apart from the full buffer, "
+                                 f"but stage {config.stage.number} without a cast keeps it "
+                                 "inside: use stage 3, or compute in another dtype (mp_policy)")
+            if config.shards_in_place:
                 # (.data: its own version counter, which only writes to the shard move.)
                 self.sharded = self._unsharded_data[self.local.slot].data
             else:
-                home = offload.home(device) if offload is not None else device
-                pin = offload is not None and offload.pinned(torch.device(device))
-                self.sharded = torch.empty(self.layout.shard_numel, dtype=dtype, device=home,
-                                           pin_memory=pin)
+                self.sharded = torch.empty(self.layout.shard_numel, dtype=config.master_dtype,
+                                           device=config.offload.home(config.device),
+                                           pin_memory=config.offload.pinned(config.device))
             self.sharded.zero_()  # the padding stays zero
             if self.materialized:
                 for i, piece in self.local.pieces.items():  # only our pieces: no full copy
                     flat = params[i].detach().reshape(-1)
-                    self.local.piece(self.sharded, i).copy_(flat[piece.param_offset :][: piece.length])
+                    mine = flat[piece.param_offset :][: piece.length]
+                    self.local.piece(self.sharded, i).copy_(mine)
         self.unsharded.requires_grad_(any(p.requires_grad for p in params))
-        self.params = [self._sharded_param(i, p) for i, p in enumerate(params)]
-        self.views: list[torch.Tensor] | None = None  # this iteration's views (zero/core/hooks.py)
-        self.views_for: tuple[bool, ...] = ()  # which params required grad when they were made
+        self.sharded_params = [ShardedParam(i, p.shape, locations[i], self._sharded_param(i, p))
+                               for i, p in enumerate(params)]
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
-        self.forward_calls = 0  # forwards this iteration
-        self.inputs_done = False  # backward has computed the gradients of the unit's inputs
-        self.backward_task = -1  # the autograd graph task that reached the unit's outputs
-        self.reshard_after_backward = True  # False: keep gathered for the next micro-batch
-        self.pinned = False  # zero.unshard(module): gathered until zero.reshard(module)
-        self.forward_prefetch: list[Unit] | None = None  # explicit lists (zero/controls.py);
-        self.backward_prefetch: list[Unit] | None = None  # None: the schedule's implicit order
-        self.broadcast_buffers = False
-        self.grads = Gradient(self.unsharded, self.params, self.local, self.sharded,
-                              self.reduce_dtype,
-                              stage.keeps_full_gradient(self.param_dtype, self.reduce_dtype, dtype),
-                              group, replicate_group, comm, self.name, self.placement, offload)
+        self.grads = Gradient(self.unsharded, self.sharded_params, self.local, self.sharded,
+                              config, mesh, self.name)
         self.sharded_state = ShardedState.UNSHARDED
-        self._gather_work = None  # GATHERING: the all-gather in flight
-        self._secondary: torch.Tensor | None = None  # SECONDARY: hpZ's secondary shard
+        self._gathering: AllGather | None = None  # GATHERING: the all-gather in flight
+        self._post_forward_shard: torch.Tensor | None = None  # SHARDED_POST_FORWARD (hpZ)
         # In-place writes to a DTensor parameter (rows) bump its own version counter, not the
         # shard's: watch both (flat and whole parameters are views sharing the shard's).
         self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
         self._seen_version = self._versions()  # what the full parameters were made from
         self.stepped = False  # an optimizer with a parameter of this unit stepped since
-        if stage.frees_parameters:
+        if config.stage.frees_parameters:
             self._free()
+
+    def place_under(self, parent: "Unit", sibling: bool = False) -> None:
+        """``parent`` is the unit above this one (``zero.shard``, bottom-up); a sibling, the
+        frozen part of the same modules, follows ``parent``'s settings."""
+        self.parent = parent
+        if sibling:
+            self.sibling_of = parent
 
     def _sharded_param(self, i: int, orig: nn.Parameter) -> nn.Parameter:
         p = nn.Parameter(self.exposed_piece(self.sharded, i), requires_grad=orig.requires_grad)
         registry.mark_piece(p, self, i)
         return p
+
+    # ---- what the unit is: read from its config, mesh and parameters ------------------------
+
+    module = property(lambda self: self.modules[0])
+    stage = property(lambda self: self.config.stage)
+    comm = property(lambda self: self.config.comm)
+    offload = property(lambda self: self.config.offload)
+    param_dtype = property(lambda self: self.config.param_dtype)
+    reduce_dtype = property(lambda self: self.config.reduce_dtype)
+    group = property(lambda self: self.mesh.group)
+    all_group = property(lambda self: self.mesh.all_group)
+    rank = property(lambda self: self.mesh.rank)
+    world_size = property(lambda self: self.mesh.world_size)
+    placement = property(lambda self: self.mesh.placement)  # where DTensors are placed
+    state = property(lambda self: self.iteration.state)  # (moved by zero/core/hooks.py)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The sharded parameters, in the unit's order (what the optimizer steps)."""
+        return [sp.sharded for sp in self.sharded_params]
+
+    @property
+    def locations(self) -> list[list]:
+        return [sp.locations for sp in self.sharded_params]
 
     def rename(self, name: str) -> None:
         self.name = self.grads.name = name
@@ -177,9 +188,9 @@ class Unit:
     def held(self) -> Held:
         """What this unit holds now, for observers (trackers, traces): see ``Held``."""
         g = self.grads
-        return Held(self.sharded_state, self.state, self.sharded, self.unsharded, self._secondary,
-                    self.unsharded.grad, g.reduction.grad if g.reduction else None, g.reduced,
-                    g.unsynced)
+        return Held(self.sharded_state, self.state, self.sharded, self.unsharded,
+                    self._post_forward_shard, self.unsharded.grad,
+                    g.reduction.grad if g.reduction else None, g.reduced, g.unsynced)
 
     def storage_key(self) -> int:
         """Identifies the full buffer's storage; it survives ``resize_`` (free and re-gather)."""
@@ -197,30 +208,25 @@ class Unit:
         if self.layout.padded_numel == 0:
             self.sharded_state = ShardedState.UNSHARDED
             return
-        if self.sharded_state is ShardedState.SECONDARY:  # hpZ: from the node's secondary shards
-            source, group, slot = self._secondary, self.secondary_group, self._secondary_slot()
-            self._secondary = None
-        else:
-            source, group, slot = self.sharded, self.group, self.local.slot
-            if self.offload is not None:  # host -> device, in the master dtype
-                source = self.offload.to_device(source, self.unsharded.device, self.name, phase)
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # from the smaller group
+            mesh = self.mesh.post_forward
+            source, group, slot = self._post_forward_shard, mesh.group, mesh.slot(
+                self.layout.padded_numel)
+            self._post_forward_shard = None
+        else:  # (host -> device, in the master dtype, under CPU offload)
+            source = self.offload.to_device(self.sharded, self.unsharded.device, self.name, phase)
+            group, slot = self.group, self.local.slot
         target = self._unsharded_data
         if self.layout.copies:  # gathered rank-major, copied out where the parameters are
             target = self._unsharded_data.new_empty(self.layout.padded_numel)
         # (hpZ is stage 3, where the shard is never inside the full buffer)
-        work = self.comm.all_gather(target, source, slot, in_place=self.shard_in_place,
-                                    group=group, unit=self.name, phase=phase)
+        work = self.comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
+                                    group=group, unit=self.name, phase=phase,
+                                    ctx=self.mesh.context)
         if self.layout.copies:
             work = CopiedOut(work, self.layout, target, self._unsharded_data)
-        self._gather_work = work
+        self._gathering = AllGather(work, phase)
         self.sharded_state = ShardedState.GATHERING
-
-    def _secondary_slot(self) -> slice:
-        """hpZ: this rank's slice of the full flat parameter among its node's ranks."""
-        n = backend.world_size(self.secondary_group)
-        size = self.layout.padded_numel // n
-        start = backend.rank(self.secondary_group) * size
-        return slice(start, start + size)
 
     def unshard(self, phase: str, async_op: bool = False) -> None:
         """Make the full parameters readable: all-gather them, or wait for the gather in flight.
@@ -240,8 +246,8 @@ class Unit:
 
     def wait_unshard(self) -> None:
         if self.sharded_state is ShardedState.GATHERING:
-            self._gather_work.wait()
-            self._gather_work = None
+            self._gathering.work.wait()
+            self._gathering = None
             self.sharded_state = ShardedState.UNSHARDED
 
     def shard_written(self) -> bool:
@@ -251,28 +257,38 @@ class Unit:
         optimizer step marks it (``stepped``) on a rank that holds none of its elements too."""
         return self.stepped or self._versions() != self._seen_version
 
-    def reshard(self, keep_secondary: bool = False) -> None:
+    def mark_stepped(self) -> None:
+        """An optimizer stepped this unit's parameters (``zero/torch_hooks.py``), on this rank
+        whether or not it holds any of their elements: the next forward refreshes it."""
+        if self.unsharded.requires_grad:  # (frozen units are never stepped)
+            self.stepped = True
+
+    def reshard(self, after_forward: bool = False) -> None:
         """Stage 3: give the full parameters' memory back; stages 1/2 keep them (and so does a
-        unit pinned by ``zero.unshard``). hpZ, after a forward that backward will follow:
-        keep this rank's secondary shard, for an all-gather within the node."""
-        if self.stage.keep_params or self.pinned or not self.is_unsharded:
+        unit pinned by ``zero.unshard``). After a forward that backward will follow, a unit
+        with a ``post_forward`` mesh (hpZ) keeps this rank's slice of the parameters over
+        that smaller group, for backward's all-gather within it (SHARDED_POST_FORWARD)."""
+        if self.stage.keep_params or self.controls.pinned or not self.is_unsharded:
             return
         self.wait_unshard()
-        secondary = None
-        if keep_secondary and self.secondary_group is not None:
-            secondary = self._unsharded_data[self._secondary_slot()].clone()
+        kept = None
+        if after_forward and self.mesh.post_forward is not None:
+            kept = self._unsharded_data[self.mesh.post_forward.slot(
+                self.layout.padded_numel)].clone()
         self._free()
-        if secondary is not None:
-            self._secondary, self.sharded_state = secondary, ShardedState.SECONDARY
+        if kept is not None:
+            self._post_forward_shard = kept
+            self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _free(self) -> None:
         self._unsharded_data.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED
 
-    def drop_secondary(self) -> None:
-        """hpZ: the secondary shard will not be used (no backward came, or the shard changed)."""
-        if self.sharded_state is ShardedState.SECONDARY:
-            self._secondary, self.sharded_state = None, ShardedState.SHARDED
+    def drop_post_forward_shard(self) -> None:
+        """hpZ: the post-forward shard will not be used (no backward came, or the shard
+        changed)."""
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            self._post_forward_shard, self.sharded_state = None, ShardedState.SHARDED
 
     def shard_changed(self, phase: str = "step") -> None:
         """The shard holds new values: refresh (stages 1/2, async until the unit's forward)
@@ -281,8 +297,8 @@ class Unit:
         first call ``wait_unshard()`` (a stage 1/2 gather may still be reading it)."""
         self.materialized = True
         self.stepped = False
-        self.drop_secondary()  # made from the old values
-        if self.stage.keep_params or (self.pinned and self.is_unsharded):
+        self.drop_post_forward_shard()  # made from the old values
+        if self.stage.keep_params or (self.controls.pinned and self.is_unsharded):
             self.wait_unshard()
             self._gather(phase=phase)
         else:
@@ -292,12 +308,12 @@ class Unit:
 
     def use(self, tensors: list[torch.Tensor]) -> None:
         """Put ``tensors`` (one per parameter) wherever the module uses the parameters."""
-        for t, locs in zip(tensors, self.locations):
-            for mod, attr in locs:
-                mod._parameters[attr] = t  # a plain tensor: autograd reaches the flat leaf
+        for sp, t in zip(self.sharded_params, tensors):
+            sp.use(t)
 
     def use_sharded_params(self) -> None:
-        self.use(self.params)
+        for sp in self.sharded_params:
+            sp.use_sharded()
 
     def __deepcopy__(self, memo):
         checks.deepcopy(self)
@@ -308,28 +324,26 @@ class Unit:
 
     def cast_output(self, t: torch.Tensor) -> torch.Tensor:
         """A floating-point forward output, in ``MixedPrecision.output_dtype``."""
-        return t.to(self.output_dtype) if t.is_floating_point() else t
+        return t.to(self.config.output_dtype) if t.is_floating_point() else t
 
     def release_after_backward(self) -> None:
         """Backward is done with the parameters: give the module its sharded ones back, and
         (stage 3) free the full ones, unless ``set_reshard_after_backward(False)``."""
         self.use_sharded_params()
-        if self.reshard_after_backward:
+        if self.controls.reshard_after_backward:
             self.reshard()
 
     def end_iteration(self) -> None:
         """Back to IDLE: sharded parameters in the module; stage 3 frees the full ones."""
         self.use_sharded_params()
-        self.state = TrainingState.IDLE
-        if self.reshard_after_backward:
+        self.iteration = Iteration()  # IDLE; the next iteration makes new views
+        if self.controls.reshard_after_backward:
             self.reshard()
-        self.drop_secondary()  # (hpZ: a forward whose backward never came)
-        self.views = None  # the next iteration makes new ones
-        self.forward_calls, self.inputs_done, self.backward_task = 0, False, -1
+        self.drop_post_forward_shard()  # (hpZ: a forward whose backward never came)
 
     @property
     def reshard_after_forward(self) -> bool:
-        setting = self.reshard_after_forward_setting
+        setting = self.controls.reshard_after_forward
         if self.sibling_of is not None and setting is None:
             return self.sibling_of.reshard_after_forward
         return self.stage.reshards_after_forward(setting, is_root=self.parent is None)

@@ -1,0 +1,56 @@
+"""Patterns of FSDP2's other clients (torchtune, accelerate, Lightning, the HF Trainer), on
+zero: what they do next to sharding that torchtitan does not.
+
+- Optimizer in backward (torchtune's ``optimizer_in_bwd=True``): a
+  ``register_post_accumulate_grad_hook`` on each sharded parameter steps that parameter's own
+  optimizer. FSDP2 runs those hooks with the reduced sharded gradient, once per backward
+  (``foreach_reduce``); so does zero, when it hands the gradient shards out.
+"""
+
+import pytest
+import torch
+
+import zero
+from harness import run_ranks
+from zerolab.models import GPT, GPTConfig
+
+
+def _model(stage, layout):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8))
+    for unit in model.units():
+        zero.shard(unit, stage=stage, layout=layout)
+    return model
+
+
+def _train(rank, n, stage, layout, in_backward):
+    model = _model(stage, layout)
+    calls = []
+    if in_backward:  # torchtune's pattern: one optimizer per parameter, stepped in its hook
+        opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+
+        def step(p):
+            calls.append(p.numel())
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(3):
+        x, y = model.batch(2, torch.Generator().manual_seed(10 * s + rank))
+        model.loss(model(x), y).backward()
+        if not in_backward:
+            opt.step()
+            opt.zero_grad()
+    return zero.full_state_dict(model), len(calls), len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("stage,layout", [(1, "flat"), (3, "flat"), (3, "rows")])
+def test_optimizer_in_backward_trains_as_a_step_after_backward(stage, layout):
+    plain = run_ranks(_train, 2, stage, layout, False)
+    hooked = run_ranks(_train, 2, stage, layout, True)
+    for (p, _, _), (h, calls, params) in zip(plain, hooked):
+        assert calls == 3 * params  # once per parameter and backward, as FSDP2's
+        assert all(torch.equal(p[k], h[k]) for k in p)

@@ -1,0 +1,138 @@
+"""What ``zero.shard`` decided for one unit, in two frozen objects: its config and its mesh.
+
+FSDP2 keeps the same split: the policies (``MixedPrecisionPolicy``, ``OffloadPolicy``, the
+collectives) in one place, and who a unit talks to in an ``FSDPMeshInfo``. The mechanism
+reads them; nothing changes them after ``zero.shard``.
+
+- ``UnitConfig``: the stage, the dtypes (mixed precision), the layout, how the flat buffers
+  cross the ranks (the comm policy) and where the shards live (the offload policy);
+- ``MeshInfo``: the ranks a unit is sharded over, and its variants: HSDP (replicas, among
+  which the reduced gradient shard is averaged: ``HSDPMeshInfo``) and hpZ (a smaller group
+  to gather from after forward: ``post_forward``, FSDP2's ``post_forward_mesh_info``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zero.comm import backend
+from zero.comm.context import CommContext
+from zero.core.stage import Stage
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """The policies of one unit (the same for every unit of a model, but for the dtypes of
+    one whose parameters are of another dtype).
+
+    Args:
+        stage: a ``Stage`` (``zero/core/stage.py``).
+        master_dtype: the parameters' own dtype: the shard's, the optimizer's.
+        param_dtype, reduce_dtype: the compute dtype, and the gradient reduction's.
+        cast_inputs, output_dtype: cast floating forward inputs to ``param_dtype``; cast
+            floating outputs to ``output_dtype`` (None: leave them).
+        layout: the layout class (``zero/api.py``'s ``Layout``).
+        comm: the comm policy (``CommPolicy``); offload: the offload policy (``OffloadPolicy``).
+        device: the compute device.
+    """
+
+    stage: Stage
+    master_dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    cast_inputs: bool
+    output_dtype: torch.dtype | None
+    layout: Any
+    comm: Any
+    offload: Any
+    device: torch.device
+
+    @classmethod
+    def make(cls, stage: Stage, mp_policy, master_dtype, layout, comm, offload,
+             device) -> "UnitConfig":
+        """The dtypes follow FSDP2: ``param_dtype`` None computes in the parameters' dtype,
+        ``reduce_dtype`` None reduces in ``param_dtype``."""
+        param_dtype = (mp_policy and mp_policy.param_dtype) or master_dtype
+        reduce_dtype = (mp_policy and mp_policy.reduce_dtype) or param_dtype
+        cast = (mp_policy is not None and mp_policy.param_dtype is not None
+                and getattr(mp_policy, "cast_forward_inputs", True))
+        return cls(stage, master_dtype, param_dtype, reduce_dtype, cast,
+                   getattr(mp_policy, "output_dtype", None), layout, comm, offload,
+                   torch.device(device))
+
+    @property
+    def shards_in_place(self) -> bool:
+        """Stages 1/2 without a cast keep the shard inside the full buffer (``Stage``), when
+        the layout gathers into the buffer the parameters view and the shard stays on the
+        compute device."""
+        return (self.stage.shards_in_place(self.param_dtype, self.master_dtype)
+                and not self.layout.copies and self.offload.on_device)
+
+    @property
+    def keeps_full_gradient(self) -> bool:
+        return self.stage.keeps_full_gradient(self.param_dtype, self.reduce_dtype,
+                                              self.master_dtype)
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The ranks a unit is sharded over (``group``), and who else it talks to.
+
+    Args:
+        group: the process group the unit is sharded over (None: the world).
+        all_group: every rank training (the agreement's group; HSDP's whole mesh).
+        placement: where DTensor parameters are placed (layout "rows"): the user's mesh, or a
+            1-D one over ``group``; else ``group``.
+        post_forward: hpZ: a ``MeshInfo`` over this rank's node, from which backward gathers
+            the parameters (each rank keeps its slice of them over the node after forward).
+        context: the ``CommContext`` every collective of the unit goes through (its backend,
+            its groups' names in the ledger, what it issued).
+    """
+
+    group: Any
+    rank: int
+    world_size: int
+    all_group: Any
+    placement: Any
+    post_forward: "MeshInfo | None" = None
+    context: CommContext = field(default_factory=CommContext, compare=False)
+
+    @classmethod
+    def over(cls, group, all_group=None, placement=None, post_forward=None, context=None,
+             **kw) -> "MeshInfo":
+        return cls(group, backend.rank(group), backend.world_size(group),
+                   group if all_group is None else all_group,
+                   group if placement is None else placement, post_forward,
+                   context if context is not None else CommContext(), **kw)
+
+    @property
+    def replicas(self) -> int:
+        return 1
+
+    def slot(self, padded_numel: int) -> slice:
+        """This rank's slice of a (padded_numel,) buffer cut in ``world_size`` equal parts."""
+        size = padded_numel // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str) -> None:
+        """Average a reduced gradient shard over the replicas: here there are none."""
+
+
+@dataclass(frozen=True)
+class HSDPMeshInfo(MeshInfo):
+    """HSDP: shard within ``group`` (a node), keep one such copy per replica, and average the
+    reduced gradient shards across the replicas (``replicate_group``)."""
+
+    replicate_group: Any = None
+
+    @property
+    def replicas(self) -> int:
+        return backend.world_size(self.replicate_group)
+
+    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str) -> None:
+        # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
+        comm.all_reduce(shard, op=op, group=self.replicate_group, unit=unit, phase="backward",
+                        ctx=self.context)

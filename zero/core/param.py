@@ -1,0 +1,58 @@
+"""One original parameter of a unit: where the module uses it, and the piece that replaces it.
+
+FSDP2 calls this ``FSDPParam``. A unit (``zero/core/unit.py``) holds one per parameter it
+shards; each knows
+
+- which of the unit's parameters it is (``index``: its place in the layout) and its shape;
+- every (module, attribute) that uses it (a tied weight has several);
+- its sharded form: ``sharded``, an ``nn.Parameter`` of this rank's piece of the unit's shard,
+  shown as the layout shows it (1-D for ``flat``, a ``Shard(0)`` DTensor for ``rows``, the
+  whole shape on its owner for ``whole``). It keeps the original's name in the module, and
+  is what the optimizer steps.
+
+Putting a tensor in the module's slots (``use``) is how a unit switches its module between
+the sharded parameters (between iterations) and views into the gathered buffer (while it
+computes). ``accumulate_grad`` is where the parameter's reduced gradient arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class ShardedParam:
+    """Args:
+    index: the parameter's place among its unit's (``unit.params[index]``).
+    shape: its full shape.
+    locations: every (module, attribute name) that uses it.
+    sharded: this rank's piece of it, as an ``nn.Parameter`` (made by the unit).
+    """
+
+    def __init__(self, index: int, shape: torch.Size, locations: list, sharded: nn.Parameter):
+        self.index, self.shape, self.locations = index, shape, locations
+        self.sharded = sharded
+
+    def use(self, tensor: torch.Tensor) -> None:
+        """Put ``tensor`` wherever the module uses the parameter (a plain tensor: a view into
+        the gathered buffer, through which autograd reaches the unit's flat leaf)."""
+        for mod, attr in self.locations:
+            mod._parameters[attr] = tensor
+
+    def use_sharded(self) -> None:
+        self.use(self.sharded)
+
+    def accumulate_grad(self, grad: torch.Tensor) -> None:
+        """This rank's piece of the reduced gradient: into ``sharded.grad`` (added to what is
+        there), then the parameter's post-accumulate-grad hooks, with the sharded parameter,
+        as FSDP2 runs them after its reduce-scatter. Autograd never reaches ``sharded`` (the
+        module computes with views of the unit's flat buffer), so it never runs them itself;
+        an optimizer stepped in such a hook (torchtune's ``optimizer_in_bwd``) would
+        otherwise train nothing."""
+        p = self.sharded
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad += grad
+        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(p)
