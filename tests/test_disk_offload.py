@@ -53,7 +53,7 @@ def _train(rank, n, stage, mp, directory, steps=3):
                            if r.op in ("read", "write")] for lg in ledgers]
         out["state_between_steps"] = sum(len(s) for s in opt.state.values())
         out["peak"], out["two_largest"] = store.peak_bytes, sum(sorted(per_unit.values())[-2:])
-        out["files"] = sorted(os.listdir(store.root))
+        out["files"] = sorted(f for f in os.listdir(store.root) if f.endswith(".state"))
         out["root"] = store.root
         del opt, store
         import gc

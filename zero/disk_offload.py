@@ -38,10 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import shutil
-import tempfile
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -50,6 +47,7 @@ from zero.comm import ledger
 from zero.core import registry
 from zero.offload import CPUOffload
 from zero.optimizers import ELEMENTWISE
+from zero.state_files import StateFileError, StateFiles
 
 ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit's buffer
 
@@ -145,9 +143,9 @@ class StateStore:
     """
 
     def __init__(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="zero-optimizer-state-", dir=directory)
-        weakref.finalize(self, shutil.rmtree, self.root, True)  # only what we made
+        self.disk = StateFiles(directory)  # checked writes and reads (zero/state_files.py)
+        self.root = self.disk.root
+        self.unwritten: dict = {}  # unit -> its buffer, whose write the disk refused
         self.index: dict = {}  # unit -> [(param, key, dtype, shape, offset)]
         self.sizes: dict = {}  # unit -> its buffer's bytes
         self.files: dict = {}  # unit -> its file's number
@@ -181,10 +179,7 @@ class StateStore:
             return None
         buf = torch.empty(size, dtype=torch.uint8)
         self._hold(size)
-        with open(self.path(unit), "rb", buffering=0) as f:
-            if f.readinto(buf.numpy()) != size:
-                raise RuntimeError(f"the optimizer state file {self.path(unit)} is shorter than "
-                                   f"the {size} bytes written to it: was it changed on disk?")
+        self.disk.read_into(self.path(unit), buf.numpy())  # its length and CRC checked
         ledger.record_copy("read", buf, unit.name, "step")
         return buf
 
@@ -223,17 +218,35 @@ class StateStore:
         """The unit has no state (a load gave it none): as in memory, it starts afresh."""
         self.index.pop(unit, None)
         if self.sizes.pop(unit, None) is not None:
-            os.remove(self.path(unit))
+            self.disk.remove(self.path(unit))
         for p in params:
             self.scalars.pop(p, None)
 
     def write(self, unit, buf: torch.Tensor) -> None:
-        """Write the unit's buffer to its file; it is freed once written."""
-        with open(self.path(unit), "wb", buffering=0) as f:
-            f.write(buf.numpy())
+        """Write the unit's buffer to its file; it is freed once written. One the disk refuses
+        is kept (``unwritten``), for the step to give back to the optimizer."""
+        try:
+            self.disk.write(self.path(unit), buf.numpy())
+        except StateFileError:
+            self.unwritten[unit] = buf
+            raise
+        finally:
+            with self._lock:
+                self.held_bytes -= buf.numel()
         ledger.record_copy("write", buf, unit.name, "step")
-        with self._lock:
-            self.held_bytes -= buf.numel()
+
+    def _keep_unwritten(self, optimizer, pieces: list) -> int:
+        """The units whose write failed: their state back in ``optimizer.state`` (in memory,
+        as without disk offload), and no file of theirs is read again. How many there were."""
+        kept = 0
+        for unit, params in pieces:
+            buf = self.unwritten.pop(unit, None)
+            if buf is not None:
+                self.put_back(optimizer, unit, params, buf)
+                self.index.pop(unit, None)
+                self.sizes.pop(unit, None)
+                kept += 1
+        return kept
 
     def _layout(self, unit, entries: list) -> torch.Tensor:
         index, offset = [], 0
@@ -257,7 +270,7 @@ class StateStore:
                 "checkpoint (zero.load(path, model, opt)), which clears this")
         self.pieces = pieces
         ahead = self._submit(self.read, pieces[0][0]) if pieces else None
-        writes, current = [], []
+        writes, current, refused = [], [], []
         try:
             for k, (unit, params) in enumerate(pieces):
                 self.failed = unit  # (until its state is taken out again)
@@ -272,13 +285,23 @@ class StateStore:
                 writes.append(self._submit(self.write, unit, buf))
                 del buf
         finally:
-            for w in writes:
-                w.result()  # every unit on disk again before the step returns
+            for w in writes:  # every unit on disk again before the step returns
+                try:
+                    w.result()
+                except StateFileError as e:
+                    refused.append(e)
             if ahead is not None:
                 ahead.result()
             for p in current:  # a step that raised: the unit's file holds its state before it
                 optimizer.state.pop(p, None)
+            kept = self._keep_unwritten(optimizer, pieces)
             self.held_bytes = 0  # (nothing is held between steps)
+        if refused:
+            raise StateFileError(
+                f"{refused[0]}. This step is complete, and the state of the {kept} unit(s) "
+                "the disk refused is kept in memory (optimizer.state): free space or raise the "
+                "limit, and the next step writes it again; or save a checkpoint now "
+                "(zero.save)") from refused[0]
 
     def load_all(self, optimizer) -> None:
         """Every unit's state back in the optimizer (for a checkpoint's state dict)."""
@@ -288,12 +311,20 @@ class StateStore:
     def store_all(self, optimizer) -> None:
         """Every unit's state from the optimizer to its file again (after ``load_all``, and
         after a load, which may have replaced all of it)."""
+        refused = None
         for unit, params in self.pieces:
             if any(p in optimizer.state for p in params):
-                self.write(unit, self.take_out(optimizer, unit, params, None))
+                try:
+                    self.write(unit, self.take_out(optimizer, unit, params, None))
+                except StateFileError as e:
+                    refused = refused or e
             else:
                 self.forget(unit, params)
+        self._keep_unwritten(optimizer, self.pieces)
         self.held_bytes, self.failed = 0, None  # (a load replaced all of it)
+        if refused is not None:
+            raise StateFileError(f"{refused}; that state is kept in memory "
+                                 "(optimizer.state)") from refused
 
 
 def _pieces(optimizer, units: list) -> list[tuple]:
