@@ -190,3 +190,25 @@ def test_chapter_15_is_written_from_the_protocols_and_zeros_own_objects_fit_them
         for obj in objects:
             assert api.missing(obj, getattr(api, name)) == [], (name, type(obj).__name__)
             assert type(obj).__name__ in chapter, type(obj).__name__
+
+
+# ---- the ranks agree on every policy's parameters -----------------------------------------
+
+
+def _policies(rank, n, field):
+    kw = {"comm": dict(comm_policy=zero.QuantizedWeights(block=2 if rank == 0 else 14)),
+          "layout": dict(layout="flat" if rank == 0 else "whole"),
+          "prefetch": dict(prefetch=1 + rank),
+          "mp": dict(mp_policy=zero.MixedPrecision(torch.bfloat16 if rank else torch.float16))}
+    try:
+        zero.shard(torch.nn.Linear(4, 4), stage=3, **kw[field])
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+@pytest.mark.parametrize("field,named", [("comm", "comm_policy"), ("layout", "layout"),
+                                         ("prefetch", "prefetch"), ("mp", "mp_policy")])
+def test_ranks_that_differ_on_a_policys_parameters_raise_naming_it(field, named):
+    for message in run_ranks(_policies, 2, field):
+        assert f"{named} differs" in message, message

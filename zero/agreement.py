@@ -46,6 +46,10 @@ def first_difference(desc: list, group, ctx) -> str:
         if k < len(_FIELDS):
             return f"{_FIELDS[k]} differs: " + "; ".join(
                 f"rank {r}: {item!r}" for r, item in enumerate(items))
+        if all(isinstance(item, tuple) and len(item) == 3 and item[0] == "policy"
+               for item in items):  # a policy's parameters
+            return f"{items[0][1]} differs: " + "; ".join(
+                f"rank {r}: {item[2]!r}" for r, item in enumerate(items))
         if all(isinstance(item, tuple) and len(item) == 4 for item in items):  # a parameter
             said = [f"rank {r}: {name!r} {tuple(shape)} {dtype}"
                     f"{'' if rg else ' (frozen)'}" for r, (name, shape, dtype, rg) in

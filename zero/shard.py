@@ -181,9 +181,14 @@ def shard(
             broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
                                       if id(p) in ignored)]
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
-    if comm_policy is not None:
-        desc.append(type(comm_policy).__name__)
-    desc.append(repr(offload_policy))
+    # Every policy by its parameters, not its class (qwZ's block size decides how each rank
+    # reads the others' bytes); a per-rank path (DiskOffload's directory) is left out.
+    desc += [("policy", field, value) for field, value in (
+        ("layout", layout.name), ("comm_policy", repr(comm_policy)),
+        ("offload_policy", repr(offload_policy)), ("backend", repr(ctx.backend)),
+        ("prefetch", prefetch), ("mesh", None if mesh is None else tuple(mesh.shape)),
+        ("secondary_group", None if secondary_group is None else
+         ctx.backend.world_size(secondary_group)))]
     desc.append(("values", any(p.is_meta for p in params), sync_module_states))
     agreement.same_model(desc, all_group, ctx)
     if sync_module_states:
