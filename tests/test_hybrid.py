@@ -144,3 +144,11 @@ def test_simulated_hsdp_sends_only_shards_across_nodes():
     inter = sum(x.sent_bytes for x in r["records"] if x.group == "inter-node")
     assert inter == pytest.approx(4 * padded / 8, rel=1e-3)
     assert {x.group for x in r["records"] if x.op in ("all_gather", "reduce_scatter")} == {"intra-node"}
+
+
+def test_hpz_with_qwz_computes_backward_with_forward_s_weights():
+    """hpZ keeps a slice of the weights forward computed with (qwZ's dequantized ones); the
+    gather within the node in backward moves them exactly, so backward computes with forward's
+    weights and training equals qwZ alone, bit for bit (it re-quantized them, in other blocks)."""
+    assert run_ranks(_against, 4, "zero3-qwz", ["zero3-qwz"], {},
+                     {"ranks_per_node": 2}) == [[]] * 4

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import checks, registry
 from zero.core.config import MeshInfo, UnitConfig
 from zero.core.grads import Gradient
@@ -208,11 +209,15 @@ class Unit:
         if self.layout.padded_numel == 0:
             self.sharded_state = ShardedState.UNSHARDED
             return
+        comm = self.comm
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # from the smaller group
             mesh = self.mesh.post_forward
             source, group, slot = self._post_forward_shard, mesh.group, mesh.slot(
                 self.layout.padded_numel)
             self._post_forward_shard = None
+            # The values forward computed with, already gathered once (qwZ: dequantized):
+            # moved exactly, so that backward computes with forward's weights.
+            comm = EXACT
         else:  # (host -> device, in the master dtype, under CPU offload)
             source = self.offload.to_device(self.sharded, self.unsharded.device, self.name, phase)
             group, slot = self.group, self.local.slot
@@ -220,9 +225,8 @@ class Unit:
         if self.layout.copies:  # gathered rank-major, copied out where the parameters are
             target = self._unsharded_data.new_empty(self.layout.padded_numel)
         # (hpZ is stage 3, where the shard is never inside the full buffer)
-        work = self.comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
-                                    group=group, unit=self.name, phase=phase,
-                                    ctx=self.mesh.context)
+        work = comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
+                               group=group, unit=self.name, phase=phase, ctx=self.mesh.context)
         if self.layout.copies:
             work = CopiedOut(work, self.layout, target, self._unsharded_data)
         self._gathering = AllGather(work, phase)
