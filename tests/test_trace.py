@@ -28,11 +28,28 @@ def test_the_trace_prints_every_gather_and_reduce_scatter_and_matches_its_figure
     t = trace(stage)
     lines = narrate(t)
     printed = [(m.group(1), m.group(2), int(m.group(3))) for m in
-               (re.match(r" *\d+\.\d\d  (\S+) +(all-gather|reduce-scatter) issued, (\d+) B", s)
+               (re.match(r" *\d+\.\d\d  (\S+) +(all-gather|reduce-scatter) issued, sends (\d+) B", s)
                 for s in lines) if m]
-    ledger = [(r.unit, r.op.replace("_", "-"), r.buffer_bytes) for r in t.records
+    ledger = [(r.unit, r.op.replace("_", "-"), r.sent_bytes) for r in t.records
               if r.op in ("all_gather", "reduce_scatter")]
     assert printed == ledger and len(ledger) == {1: 6, 2: 6, 3: 8}[stage]
+    # the summary is the rows added up: each kind's count and the bytes all its rows send
+    text = "\n".join(lines)
+    for op in ("all-gather", "reduce-scatter"):
+        rows = [b for _, o, b in printed if o == op]
+        assert f"{len(rows)} {op}s {sum(rows)} B" in text, op
+    total = sum(b for *_, b in printed)
+    ring = 4 * t.psi * (t.world_size - 1) / t.world_size
+    assert f"all-gathers + reduce-scatters: {total} B = {total / ring:.3f} R" in text
+    # every row after which this rank holds something says how much, "done" rows included
+    done = [s for s in lines if re.search(r"(all-gather|reduce-scatter|all-reduce) done", s)]
+    assert done and all(re.search(r"\d+ +\d+  \S", s) for s in done)
+    if stage == 3:  # each unit frees its full parameters in backward, in a row of its own
+        frees = re.findall(r"(\S+) +post_backward: frees its full parameters", text)
+        assert sorted(frees) == sorted(name for name, _ in t.units)
+    if stage > 1:  # and each full gradient, once reduced, where it happens
+        freed = re.findall(r"(\S+) +full gradient freed, its shard kept", text)
+        assert sorted(freed) == sorted(name for name, _ in t.units)
     assert sum(r.op == "agree" for r in t.records) == 1
     path = os.path.join(FIGURES, f"trace_stage{stage}.txt")
     committed = open(path).read().splitlines()

@@ -11,7 +11,10 @@ Everything is watched from the outside; zero records nothing for it but its ledg
   runs *before* zero's ``pre_forward``, a forward hook that runs *after* its ``post_forward``,
   a hook on each output tensor that runs before zero's ``pre_backward``, and a hook on the
   unit's flat parameter that runs when its gradient is complete, before ``post_backward``;
-- a ``zero.Ledger(on_record=...)`` that notes what the rank holds as each record arrives;
+- a ``zero.Ledger(on_record=...)`` that notes what the rank holds as each record arrives, and
+  again as its ``wait()`` returns (the record's ``done`` being set: ``_Watched``);
+- a post-accumulate-grad hook on each unit's flat parameter, registered after zero's: it runs
+  once ``post_backward`` has issued the reduce-scatter and (stage 3) freed the parameters;
 - what the rank holds: the bytes of the distinct storages behind the units' parameters
   (``unsharded``, ``sharded``) and gradients (the full flat gradient, a reduction in flight,
   a reduced shard, ``p.grad``), read from each unit's ``held()``, never changed.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 import zero
+from zero.comm.ledger import Record
 from zero.core.tree import tensors_in
 from zerolab.launch import run_ranks
 from zerolab.models import GPT, GPTConfig
@@ -63,6 +67,18 @@ class Trace:
     optimizer_bytes: int
     events: list[Event] = field(default_factory=list)
     records: list[Any] = field(default_factory=list)  # the step's ledger, in issue order
+
+
+class _Watched(Record):
+    """A ledger record that calls ``on_done`` when its ``done`` is set (its ``wait()``
+    returned): the trace's only view of that instant, taken from the outside."""
+
+    on_done: Any = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "done" and value is not None and type(self).on_done is not None:
+            type(self).on_done(self)
 
 
 def held(units, extra_grads: int = 0) -> tuple[int, int, list[str]]:
@@ -110,14 +126,39 @@ def _step(rank: int, n: int, stage: int, config: GPTConfig) -> Trace | None:
     units = zero.units_of(model)
     events: list[Event] = []
 
+    in_backward, freed = [], set()  # (reduced full gradients already narrated as freed)
+
+    def check_freed(at: float, extra: int = 0) -> None:
+        """In backward, a full gradient is freed when zero is done waiting for its
+        reduce-scatter, with no hook of ours at that instant: narrate it at the next event
+        that sees it (gradient bytes fell), just before that event (at ``at``)."""
+        waited = [e.record.unit for e in events if e.done and e.record.op == "reduce_scatter"
+                  and e.record.unit not in freed]
+        last = next((e.held for e in reversed(events) if e.held is not None), None)
+        if in_backward and waited and last is not None:
+            now = held(units, extra)
+            if now[1] < last[1]:
+                freed.add(waited[-1])
+                events.append(Event(at - 1e-9, waited[-1],
+                                    "full gradient freed, its shard kept", now))
+
     def note(unit: str, what: str, arriving: int = 0) -> None:
-        events.append(Event(time.perf_counter(), unit, what, held(units, arriving)))
+        at = time.perf_counter()
+        check_freed(at)  # (a gradient arriving now did not exist when another was freed)
+        events.append(Event(at, unit, what, held(units, arriving)))
 
     def seen(record) -> None:
         # A reduce-scatter's input is alive while it is issued, though the unit has already
         # let go of it and has not yet recorded the reduction in flight.
         reducing = record.buffer_bytes if record.op == "reduce_scatter" else 0
+        check_freed(record.time, reducing)
         events.append(Event(record.time, record.unit, "", held(units, reducing), record))
+        if record.done is None and type(record) is Record:
+            record.__class__ = _Watched  # note what the rank holds as its wait() returns
+
+    def finished(record) -> None:
+        check_freed(record.done)
+        events.append(Event(record.done, record.unit, "", held(units), record, done=True))
 
     stage_frees = not units[0].stage.keep_params
     for u in units:
@@ -151,25 +192,33 @@ def _step(rank: int, n: int, stage: int, config: GPTConfig) -> Trace | None:
         if u.unsharded.requires_grad:  # runs as the flat gradient arrives, before post_backward
             u.unsharded.register_hook(lambda grad, u=u: note(
                 u.name, f"post_backward: gradient complete, {_b(grad.nbytes)}", grad.nbytes))
+            if stage_frees:  # after zero's post_backward (its hook was registered first)
+                u.unsharded.register_post_accumulate_grad_hook(lambda p, u=u: note(
+                    u.name, "post_backward: frees its full parameters")
+                    if not u.is_unsharded else None)
     opt.register_step_pre_hook(lambda *a: note("", "opt.step(): AdamW updates this rank's shards"))
     opt.register_step_post_hook(lambda *a: note("", "opt.step() returns"))
 
     ledger = zero.Ledger(on_record=seen)
     x, y = batch(1)
     start = time.perf_counter()
+    _Watched.on_done = finished
     with ledger:
         note("", "forward: loss = model(x)")
         loss = model.loss(model(x), y)
         loss.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(
             lambda: note("", "autograd is done: the end-of-backward callback")))
         note("", "backward: loss.backward()")
+        in_backward.append(True)
         loss.backward()
         note("", "backward returns: the shards are in p.grad")
+        in_backward.clear()
         opt.step()
         opt.zero_grad()
         note("", "opt.zero_grad(): the gradients are dropped")
+    _Watched.on_done = None
     for r in ledger.records:
-        if r.done is not None:
+        if r.done is not None and type(r) is not _Watched:  # done at once (no wait to watch)
             events.append(Event(r.done, r.unit, "", None, r, done=True))
     events.sort(key=lambda e: e.time)  # a stable sort: program order
     for e in events:
@@ -206,10 +255,10 @@ def _collective(e: Event, current: str) -> str:
             why = ", after opt.step()"
         elif r.unit != current:
             why = ", prefetch"
-        return f"{op} issued, {_b(r.buffer_bytes)}{why}"
+        return f"{op} issued, sends {_b(r.sent_bytes)}{why}"
     if r.op == "all_reduce" and r.dtype == torch.uint8:
-        return f"{op}: used-parameter flags, {_b(r.buffer_bytes)}"
-    return f"{op} issued, {_b(r.buffer_bytes)}"
+        return f"{op}: used-parameter flags, sends {_b(r.sent_bytes)}"
+    return f"{op} issued, sends {_b(r.sent_bytes)}"
 
 
 def narrate(t: Trace) -> list[str]:
@@ -218,12 +267,13 @@ def narrate(t: Trace) -> list[str]:
     out = [f"ZeRO-{t.stage}: one training step of a GPT ({t.config.layers} blocks, dim "
            f"{t.config.dim}, Ψ = {t.psi}) on {t.world_size} gloo ranks, rank 0's view.",
            f"Units, padded numel (fp32): {names}. AdamW state: {_b(t.optimizer_bytes)}.",
-           "A collective is issued, then done when its wait() returns; its bytes are its full "
-           "buffer's.",
+           "A collective is issued, then done when its wait() returns; the issued row says what "
+           "this rank sends.",
+           "R = 4 x Ψ x (N-1)/N bytes: one all-gather (or reduce-scatter) of every parameter.",
            "params, grads: bytes this rank holds just after the event; full: units whose full "
            "parameters exist.",
            "",
-           f"{'ms':>7}  {'unit':<9} {'event':<48} {'params':>7} {'grads':>7}  full"]
+           f"{'ms':>7}  {'unit':<9} {'event':<52} {'params':>7} {'grads':>7}  full"]
     current = ""
     every = [u for u, _ in t.units]
     events = t.events
@@ -242,23 +292,25 @@ def narrate(t: Trace) -> list[str]:
             nxt = events[i + 1] if i + 1 < len(events) else None
             if not e.done and nxt is not None and nxt.done and nxt.record is e.record:
                 what += " (waited)"
+                e = Event(e.time, e.unit, e.what, nxt.held or e.held, e.record)  # as it returns
                 i += 1  # a collective waited for at once: one line
         cells = ""
         if e.held is not None:
             params, grads, full = e.held
             full_s = "all" if full == every else ", ".join(full) or "none"
             cells = f" {params:>7} {grads:>7}  {full_s}"
-        out.append(f"{e.time * 1e3:7.2f}  {unit:<9} {what:<48}{cells}".rstrip())
+        out.append(f"{e.time * 1e3:7.2f}  {unit:<9} {what:<52}{cells}".rstrip())
         i += 1
     sent = {op: sum(r.sent_bytes for r in t.records if r.op == op) for op in OPS}
     counts = {op: sum(r.op == op for r in t.records) for op in OPS}
     big = sent["all_gather"] + sent["reduce_scatter"]
     ring = 4 * t.psi * (t.world_size - 1) / t.world_size
-    parts = [f"{OPS[op]} {counts[op]}x {_b(sent[op])}" for op in OPS if counts[op]]
-    out += ["", "sent by this rank (ring accounting): " + ", ".join(parts[:2]) + ",",
+    parts = [f"{counts[op]} {OPS[op]}{'s' if counts[op] > 1 else ''} {_b(sent[op])}"
+             for op in OPS if counts[op]]
+    out += ["", "sent by this rank, in all (ring accounting): " + ", ".join(parts[:2]) + ",",
             "  " + ", ".join(parts[2:]),
-            f"all-gathers + reduce-scatters: {_b(big)} = {big / ring:.3f} Ψ "
-            f"(Ψ sends (N-1)/N x 4 x {t.psi} bytes)"]
+            f"all-gathers + reduce-scatters: {_b(big)} = {big / ring:.3f} R "
+            f"(R = 4 x {t.psi} x (N-1)/N = {_b(round(ring))})"]
     return out
 
 
