@@ -400,3 +400,21 @@ def test_traffic_is_printed_in_r_not_in_psi():
            for line in open(f).read().splitlines() if "parameters =" not in line  # (a share of the parameters: a count)
            for m in TRAFFIC_IN_PSI.finditer(line)]
     assert not bad, bad
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_anchor_a_path_page_links_to_exists():
+    pages = [os.path.join(ROOT, "notes", p) for p in PATH_PAGES] + [
+        os.path.join(ROOT, "notes", "exercises", "README.md"), os.path.join(ROOT, "README.md")]
+    bad = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", open(page).read()):
+            path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+            anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", open(path).read(), re.M)}
+            if anchor not in anchors:
+                bad.append((os.path.relpath(page, ROOT), target, anchor))
+    assert not bad, bad
