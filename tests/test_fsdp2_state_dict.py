@@ -120,3 +120,38 @@ def test_full_state_dict_equals_the_unsharded_state_dict():
     # values (issue 11 case 7, fixed in b7b0865). torch keeps it on rank 0 only; ours is on
     # every rank.
     assert run_ranks(_full_state_dict, 2) == [[], []]
+
+
+# ---- weights read on rank 0 only --------------------------------------------------------------
+
+
+def _rank0_only(rank, n, broadcast):
+    from zerolab.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8))
+    for unit in model.units():
+        zero.shard(unit, stage=3)
+    torch.manual_seed(1)
+    weights = GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8)).state_dict()  # "the file"
+    torch.manual_seed(100 + rank)  # the other ranks' own initial values
+    mine = weights if rank == 0 else GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8)).state_dict()
+    try:
+        if broadcast:
+            zero.load_full_state_dict(model, mine if rank == 0 else {},
+                                      broadcast_from_rank0=True)
+        else:
+            zero.load_full_state_dict(model, mine)
+    except ValueError as e:
+        return str(e)
+    full = zero.full_state_dict(model)
+    return all(torch.equal(full[k], weights[k]) for k in full)
+
+
+def test_weights_read_on_rank0_only_raise_or_are_broadcast():
+    """Every rank calls it, the others passing their own initial values: that trained half the
+    model as rank 0's weights and half as each rank's init, silently. Now it raises on every
+    rank, naming broadcast_from_rank0 (FSDP2's name), which loads rank 0's everywhere."""
+    for said in run_ranks(_rank0_only, 2, False):
+        assert isinstance(said, str) and "broadcast_from_rank0=True" in said, said
+    assert run_ranks(_rank0_only, 2, True) == [True, True]

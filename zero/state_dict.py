@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zero import comm
+from zero import agreement, comm
 from zero.core.checks import state_dict_access
 from zero.core.registry import units_of
 
@@ -40,22 +40,53 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             unit.use_sharded_params()
 
 
-def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
+def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True,
+                         broadcast_from_rank0: bool = False):
     """Load a full (unsharded) state dict, such as ``full_state_dict`` returns, on every rank.
+
+    Args:
+        model: the sharded model; state_dict: its full state, keyed as ``full_state_dict``.
+        strict: as ``nn.Module.load_state_dict``'s.
+        broadcast_from_rank0: FSDP2's name: only rank 0's ``state_dict`` is read (the others
+            may pass ``{}``), and each unit's full parameters, then the buffers, are sent to
+            every rank from it, one unit at a time. Without it every rank must pass the same
+            values: ranks whose values differ raise, on every rank (a model half rank 0's
+            weights and half each rank's initial values would train silently otherwise).
 
     Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys).
     """
     units = units_of(model)
-    fulls = {}
+    group, ctx = units[0].all_group, units[0].mesh.context
+    comm.agree(f"load a full state dict (broadcast_from_rank0={broadcast_from_rank0})",
+               group=group, ctx=ctx, fix="Call zero.load_full_state_dict on every rank, with "
+                                         "the same broadcast_from_rank0")
+    reads = not broadcast_from_rank0 or ctx.backend.rank(group) == 0
+    fulls, result, names = {}, None, []
     try:
         for unit in units:
             fulls[unit] = unit.sharded.new_zeros(unit.layout.padded_numel)
             unit.use(unit.layout.views(fulls[unit]))  # torch copies each tensor in here
-        with state_dict_access():
-            result = model.load_state_dict(state_dict, strict=strict)
+        with comm.raising_together(group, ctx=ctx):
+            if reads:
+                with state_dict_access():
+                    result = model.load_state_dict(state_dict, strict=strict)
+        comm.agree("loaded a full state dict", group=group, ctx=ctx)  # (or one rank raised)
+        names = list(model.named_parameters())  # (the views, filled)
+        if not broadcast_from_rank0:
+            try:
+                agreement.check_same_values(names, group, ctx)
+            except ValueError as e:
+                raise ValueError(
+                    f"zero.load_full_state_dict: {e}. If the state dict was read on rank 0 "
+                    "only, pass broadcast_from_rank0=True: the other ranks then get rank 0's "
+                    "values") from None
     finally:
         for unit in units:
             unit.use_sharded_params()
+    if broadcast_from_rank0:
+        for unit, flat in fulls.items():  # (N*S,) rank 0's -> every rank's, unit by unit
+            comm.broadcast(flat, src=0, group=group, unit=unit.name, phase="other", ctx=ctx)
+        agreement.take_rank0_values([model], [], group, ctx)  # the buffers
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():
