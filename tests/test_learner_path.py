@@ -418,3 +418,35 @@ def test_every_anchor_a_path_page_links_to_exists():
             if anchor not in anchors:
                 bad.append((os.path.relpath(page, ROOT), target, anchor))
     assert not bad, bad
+
+
+def optional_minutes() -> dict[str, float]:
+    """The optional part's steps, read at the same rates; "second" is what it leaves out."""
+    def minutes(text, code=False):
+        w = word_kinds(text, code)
+        return sum(w[k] / RATES[k] for k in RATES)
+
+    predict = read("notes/exercises/README.md")
+    predict = predict[predict.index("## Predict"):]
+    out = {"1": minutes(read("notes/01-flat-parameter.md")),
+           "2": minutes(read("notes/02-collectives-and-the-ledger.md")),
+           "3": minutes(core("notes/03-stage1.md")), "4": minutes(core("notes/04-stage2.md")),
+           "6": minutes(read("notes/06-comparison.md")),
+           "predict": minutes(predict) + minutes(read("notes/exercises/solutions/predict.md"))
+           + sum(minutes(read(f"notes/figures/trace_stage{k}.txt"), True) for k in (1, 2)) + RUN}
+    out["second"] = sum(minutes(read(f"notes/0{k}")) - minutes(core(f"notes/0{k}"))
+                        for k in ("3-stage1.md", "4-stage2.md", "5-stage3.md"))
+    return out
+
+
+def test_the_start_page_states_the_optional_minutes_from_its_words():
+    page = " ".join(read("notes/00-start-here.md").split())
+    part = page[page.index("**Optional: the package in detail**"):page.index("**The appendix**")]
+    said = re.findall(r"\]\([\w./#-]+\)[^()\[\]]*? \((\d+)", part)
+    counted = optional_minutes()
+    steps = [counted[k] for k in ("1", "2", "3", "4", "6", "predict")]
+    assert len(said) == len(steps)
+    for s, m in zip(said, steps):
+        assert abs(int(s) - m) <= max(2, 0.15 * m), (said, [round(x) for x in steps])
+    more, more_all = map(int, re.search(r"about (\d+) minutes more, (\d+) with", part).groups())
+    assert abs(more - sum(steps)) <= 5 and abs(more_all - sum(steps) - counted["second"]) <= 5
