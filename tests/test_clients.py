@@ -54,3 +54,62 @@ def test_optimizer_in_backward_trains_as_a_step_after_backward(stage, layout):
     for (p, _, _), (h, calls, params) in zip(plain, hooked):
         assert calls == 3 * params  # once per parameter and backward, as FSDP2's
         assert all(torch.equal(p[k], h[k]) for k in p)
+
+
+# ---- Lightning's model.to(device), the HF Trainer's register_fsdp_forward_method ------------
+
+
+class _Generator(torch.nn.Module):
+    """A method other than forward that runs the model (HF's ``generate``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+    def generate(self, x, steps=3):
+        outs = []
+        for _ in range(steps):
+            x = self(x)
+            outs.append(x)
+        return torch.stack(outs)
+
+
+def _clients(rank, n, which):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    shard = torch_fully_shard if which == "torch" else zero.fully_shard
+    torch.manual_seed(0)
+    model = _Generator()
+    for m in [*model.blocks, model]:
+        shard(m)
+    out = {}
+    try:  # Lightning's ModelParallelStrategy.setup: to the device it is already on
+        out["to"] = model.to(torch.device("cpu")) is model
+    except RuntimeError as e:
+        out["to"] = str(e)
+    register_fsdp_forward_method(model, "generate")  # the HF Trainer's call
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        out["generate"] = model.generate(x)
+    if which == "zero":  # (FSDP2 converts its DTensors; zero's pieces view its shards)
+        try:
+            model.to(torch.float64)
+            out["to_double"] = "converted"
+        except RuntimeError as e:
+            out["to_double"] = "refused" if "after zero.fully_shard" in str(e) else str(e)
+    return out
+
+
+def test_to_its_own_device_is_accepted_and_generate_runs_as_on_fsdp2():
+    ours, theirs = run_ranks(_clients, 2, "zero"), run_ranks(_clients, 2, "torch")
+    for o, t in zip(ours, theirs):
+        assert o["to"] is True and t["to"] is True, (o["to"], t["to"])
+        assert o["to_double"] == "refused"  # a conversion still is: it would detach the shards
+        assert torch.equal(o["generate"], t["generate"])

@@ -194,10 +194,9 @@ class ZeroFSDPModule(FSDPModule):
         event.wait()
 
     def _get_fsdp_state(self):
-        raise NotImplementedError(
-            f"{type(self).__name__} was sharded by zero.fully_shard and has no FSDP2 state: "
-            "torch's FSDP2 internals (FSDPMemTracker, say) cannot read it; use "
-            "zerolab.trackers.ZeroMemTracker")
+        """What ``register_fsdp_forward_method`` asks for (the HF Trainer registers
+        ``generate``): the pre- and post-forward around a method that is not ``forward``."""
+        return _ForwardMethodState()
 
     def to_empty(self, *, device, recurse: bool = True):
         """After ``fully_shard`` on the meta device: the shards already live on their device;
@@ -224,7 +223,12 @@ class ZeroFSDPModule(FSDPModule):
             unit.materialized = True  # the model's init writes the shards (through DTensors)
         return self
 
-    def _apply(self, *args: Any, **kwargs: Any):
+    def _apply(self, fn, *args: Any, **kwargs: Any):
+        # ``model.to(the device it is on)`` (Lightning's setup) changes nothing: every tensor
+        # converts to itself. Anything else would swap the shards' data for copies.
+        tensors = [*self.parameters(), *self.buffers()]
+        if all(fn(t) is t for t in tensors):
+            return self
         raise RuntimeError(
             f"{type(self).__name__}.to() / .half() / .float() / .cuda() after zero.fully_shard "
             "would detach its parameters from their shards: convert the model before sharding, "
@@ -234,6 +238,27 @@ class ZeroFSDPModule(FSDPModule):
         raise TypeError(
             "copy.deepcopy of a model sharded by zero is not supported: its parameters are "
             "views into shards that a copy would not share. Copy the model before sharding it")
+
+
+class _ForwardMethodState:
+    """``register_fsdp_forward_method``'s view of a module's FSDP state: around the method,
+    the module's own unit is gathered and kept (``zero.unshard``), then let go
+    (``zero.reshard``); the forwards the method runs inside gather the units below as usual.
+    Any other question about FSDP2's internals (FSDPMemTracker's) is refused by name."""
+
+    def _pre_forward(self, module, args, kwargs):
+        controls.unshard(module)
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        controls.reshard(module)
+        return output
+
+    def __getattr__(self, name: str):
+        raise NotImplementedError(
+            f"FSDP2's state.{name}: a model sharded by zero.fully_shard has no FSDP2 state for "
+            "torch's internals (FSDPMemTracker, say) to read; use "
+            "zerolab.trackers.ZeroMemTracker")
 
 
 def _not_implemented(name: str):
