@@ -113,3 +113,23 @@ def test_to_its_own_device_is_accepted_and_generate_runs_as_on_fsdp2():
         assert o["to"] is True and t["to"] is True, (o["to"], t["to"])
         assert o["to_double"] == "refused"  # a conversion still is: it would detach the shards
         assert torch.equal(o["generate"], t["generate"])
+
+
+def _flat_warns(rank, n):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        zero.fully_shard(torch.nn.Linear(4, 4), layout="flat")
+        flat = [str(w.message) for w in seen]
+        zero.fully_shard(torch.nn.Linear(4, 4))
+    return flat, len(seen) - len(flat)
+
+
+def test_fully_shard_with_a_layout_torchs_clipping_misreads_says_so():
+    """accelerate, the HF Trainer, Lightning and torchtune clip with torch's clip_grad_norm_:
+    on layout 'flat' each rank clipped by its own share's norm (1.734 and 1.156 against the
+    global 2.084), silently. fully_shard says so, naming the two ways that are right."""
+    for flat, rows in run_ranks(_flat_warns, 2):
+        assert any("zero.clip_grad_norm_" in m and "layout='rows'" in m for m in flat), flat
+        assert rows == 0  # FSDP2's layout: torch's clipping is right there

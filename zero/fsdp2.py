@@ -85,6 +85,17 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                         "zero shards every parameter along dim 0 (Shard(0)) only")
     if stage != 3 and reshard_after_forward:
         _not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
+    if layout != "rows":
+        # FSDP2's clients (accelerate, the HF Trainer, Lightning, torchtune) clip with torch's
+        # clip_grad_norm_, which computes a norm of what it is given: with rows that is
+        # DTensors, whose norm is global; with the other layouts it is this rank's share, and
+        # each rank would clip by its own factor, silently.
+        warnings.warn(
+            f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
+            "clips each rank by the norm of its own share of the gradients (each rank a "
+            "different factor): clip with zero.clip_grad_norm_(model, max_norm), or keep "
+            "layout='rows', FSDP2's, whose DTensor gradients torch's clipping reads whole",
+            stacklevel=2)
     if mp_policy is not None:
         mp_policy = MixedPrecision.from_torch(mp_policy)
         if mp_policy == MixedPrecision():
