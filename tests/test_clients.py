@@ -133,3 +133,45 @@ def test_fully_shard_with_a_layout_torchs_clipping_misreads_says_so():
     for flat, rows in run_ranks(_flat_warns, 2):
         assert any("zero.clip_grad_norm_" in m and "layout='rows'" in m for m in flat), flat
         assert rows == 0  # FSDP2's layout: torch's clipping is right there
+
+
+# ---- a parameter replaced after sharding (FSDP2's standard loading) ---------------------------
+
+
+def _replaced(rank, n, which, how):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shard = torch_fully_shard if which == "torch" else zero.fully_shard
+    torch.manual_seed(0)
+    model = _Generator()
+    for m in [*model.blocks, model]:
+        shard(m)
+    torch.manual_seed(1)
+    full = _Generator().state_dict()  # the checkpoint's full weights
+    if how == "assign":  # torchtune's recipes, accelerate's cpu_ram_efficient_loading
+        sd = {}
+        for name, p in model.state_dict().items():
+            sd[name] = torch.nn.Parameter(distribute_tensor(full[name], p.device_mesh,
+                                                            p.placements))
+        model.load_state_dict(sd, assign=True)
+    else:  # transformers' distributed loading: setattr on the module, a DTensor parameter
+        for name, p in list(model.named_parameters()):
+            owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            setattr(owner, attr, torch.nn.Parameter(distribute_tensor(
+                full[name], p.device_mesh, p.placements)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(2):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["assign", "setattr"])
+def test_a_parameter_replaced_after_sharding_is_adopted_as_fsdp2_does(how):
+    ours, theirs = run_ranks(_replaced, 2, "zero", how), run_ranks(_replaced, 2, "torch", how)
+    for o, t in zip(ours, theirs):
+        assert o.keys() == t.keys() and all(torch.equal(o[k], t[k]) for k in o)

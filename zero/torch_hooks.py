@@ -15,6 +15,8 @@ results; each way in gets a hook that either does the right thing or raises, nam
   rank, even one that holds none of a unit's elements;
 - the original parameters: a module outside the sharded model that shares one would train
   it on each rank alone; a gradient reaching an original raises;
+- ``load_state_dict(sd, assign=True)`` with the model's own kind of parameters (FSDP2's
+  clients' usual loading): the units adopt the new ones at once (``Unit.adopt_replaced``);
 - ``module.state_dict()`` / ``load_state_dict()``: on a sharded module they would give and
   take this rank's pieces under the full names (and rank 0's file would load, silently
   wrong, everywhere); they raise and point to ``zero.full_state_dict`` /
@@ -66,6 +68,7 @@ def install(modules: list[nn.Module]) -> None:
         if not getattr(module, "_zero_state_dict_hooks", False):
             module.register_state_dict_pre_hook(_state_dict_pre_hook)
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+            module.register_load_state_dict_post_hook(_adopt_after_load)
             module._zero_state_dict_hooks = True
 
 
@@ -213,6 +216,14 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
             "each parameter under the full names. Use zero.full_state_dict(model) for full "
             "tensors (call it on every rank), or zero.save(path, model, opt) for a sharded "
             "checkpoint, or shard with layout='rows', whose parameters are FSDP2's DTensors")
+
+
+def _adopt_after_load(module, incompatible_keys) -> None:
+    """``load_state_dict(sd, assign=True)`` put new parameters in the module (FSDP2's clients'
+    usual loading): the units adopt them (``Unit.adopt_replaced``) before anything else runs."""
+    if not state_dict_access_granted():  # (zero's own loads put views there on purpose)
+        for unit in registry.units_on(module):
+            unit.adopt_replaced()
 
 
 def _load_state_dict_pre_hook(module, state_dict, prefix, *args) -> None:

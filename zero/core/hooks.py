@@ -75,6 +75,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     else:
         if unit.parent is None:
             root.begin_forward()  # reset what a failure left behind, agree, refresh
+        unit.adopt_replaced()  # a parameter a client swapped in (setattr) since the last one
         checks.converted_after_sharding(unit)
         if (unit.stage.keep_params and unit.sharded_state is ShardedState.UNSHARDED
                 and unit.shard_written()):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 class ShardedParam:
@@ -29,9 +30,11 @@ class ShardedParam:
     sharded: this rank's piece of it, as an ``nn.Parameter`` (made by the unit).
     """
 
-    def __init__(self, index: int, shape: torch.Size, locations: list, sharded: nn.Parameter):
+    def __init__(self, index: int, shape: torch.Size, locations: list, sharded: nn.Parameter,
+                 offset: int = 0):
         self.index, self.shape, self.locations = index, shape, locations
         self.sharded = sharded
+        self._offset = offset  # where this rank's piece starts in the flattened parameter
 
     def use(self, tensor: torch.Tensor) -> None:
         """Put ``tensor`` wherever the module uses the parameter (a plain tensor: a view into
@@ -41,6 +44,46 @@ class ShardedParam:
 
     def use_sharded(self) -> None:
         self.use(self.sharded)
+
+    def adopt(self, new: torch.Tensor, piece: torch.Tensor, exposed: torch.Tensor,
+              unit: str) -> nn.Parameter:
+        """``new`` replaced this parameter in the module: take its values into ``piece`` (this
+        rank's part of the unit's shard) and make it the sharded parameter, its data the piece
+        as the layout shows it (``exposed``). Returns the sharded parameter."""
+        local = new.to_local() if isinstance(new, DTensor) else new
+        if (new.shape != self.shape or new.dtype != piece.dtype or local.is_meta
+                or local.device != piece.device):
+            raise RuntimeError(
+                f"a parameter of unit {unit} was replaced after zero.shard by a tensor of shape "
+                f"{tuple(new.shape)}, {new.dtype} on {local.device}; the unit shards "
+                f"{tuple(self.shape)}, {piece.dtype} on {piece.device}. Load values of the "
+                "parameter's own shape, dtype and device (load_state_dict(sd, assign=True) "
+                "with the model's own DTensors, or copy_ into the parameters), or convert the "
+                "model before zero.shard")
+        mine = isinstance(exposed, DTensor)
+        if isinstance(new, DTensor) != mine or (mine and (
+                new.placements != exposed.placements or new.device_mesh != exposed.device_mesh)):
+            raise RuntimeError(
+                f"a parameter of unit {unit} was replaced after zero.shard by "
+                f"{'a DTensor' if isinstance(new, DTensor) else 'a plain tensor'} "
+                f"{getattr(new, 'placements', '')}, but the unit shows its parameters as "
+                f"{'DTensors ' + str(exposed.placements) if mine else 'plain pieces'}: load "
+                "the model's own kind (its state_dict()'s)")
+        with torch.no_grad():
+            source = local.reshape(-1) if mine else new.detach().reshape(-1)
+            if mine:  # this rank's rows are the whole local tensor
+                piece.copy_(source[: piece.numel()])
+            else:  # the full parameter: our piece of it
+                start = piece.numel() and self._offset
+                piece.copy_(source[start : start + piece.numel()])
+        if not isinstance(new, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=self.sharded.requires_grad)
+        if mine:
+            new._local_tensor = exposed.to_local()  # (FSDP2 re-points it the same way)
+        else:
+            new.data = exposed
+        self.sharded = new
+        return new
 
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """This rank's piece of the reduced gradient: into ``sharded.grad`` (added to what is

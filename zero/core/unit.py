@@ -113,8 +113,10 @@ class Unit:
                     mine = flat[piece.param_offset :][: piece.length]
                     self.local.piece(self.sharded, i).copy_(mine)
         self.unsharded.requires_grad_(any(p.requires_grad for p in params))
-        self.sharded_params = [ShardedParam(i, p.shape, locations[i], self._sharded_param(i, p))
-                               for i, p in enumerate(params)]
+        self.sharded_params = [
+            ShardedParam(i, p.shape, locations[i], self._sharded_param(i, p),
+                         getattr(self.local.pieces.get(i), "param_offset", 0))
+            for i, p in enumerate(params)]
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
         self.grads = Gradient(self.unsharded, self.sharded_params, self.local, self.sharded,
                               config, mesh, self.name)
@@ -164,6 +166,29 @@ class Unit:
     @property
     def locations(self) -> list[list]:
         return [sp.locations for sp in self.sharded_params]
+
+    def adopt_replaced(self) -> None:
+        """Parameters a client put in the module after sharding (``load_state_dict(sd,
+        assign=True)``: torchtune, accelerate; ``setattr``: transformers): their values go into
+        the shard, and each new parameter becomes this rank's piece (FSDP2's
+        ``reset_sharded_param``), so an optimizer built from them steps the shard. What cannot
+        be adopted raises, naming what differs."""
+        if self.iteration.state is not TrainingState.IDLE:
+            return  # (views are in the slots while the unit computes)
+        adopted = False
+        for sp in self.sharded_params:
+            new = next((t for mod, attr in sp.locations
+                        if (t := mod._parameters.get(attr)) is not sp.sharded), None)
+            if new is None:
+                continue
+            self.wait_unshard()  # (a stage 1/2 gather may still read the shard)
+            piece = self.local.piece(self.sharded, sp.index)
+            shown = sp.adopt(new, piece, self.exposed_piece(self.sharded, sp.index), self.name)
+            registry.mark_piece(shown, self, sp.index)
+            sp.use_sharded()
+            adopted = True
+        if adopted:
+            self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
 
     def rename(self, name: str) -> None:
         self.name = self.grads.name = name
