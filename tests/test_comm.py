@@ -192,3 +192,34 @@ def test_a_wait_that_cannot_be_bounded_is_not_reported_as_a_timeout():
     that is the error, not 'the other ranks never joined' (which they did, at once)."""
     for kind, message in run_ranks(_no_thread_for_the_wait, 2):
         assert kind != "CollectiveTimeout" and "can't start new thread" in message, message
+
+
+def test_a_collective_that_fails_early_says_so_not_that_it_waited_the_bound():
+    """A peer that died (gloo aborts a process whose collective differs in size) closes its
+    connections: the survivor's wait fails at once. Its message said it "waited 20 s" after
+    0.7 s; it says how long it waited, and that a peer most likely died."""
+    import os
+
+    from zero.comm import waits
+
+    class Work:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer")
+
+    class Backend:
+        def bounded_wait(self, group, op):
+            return "timeout"
+
+        def rank(self, group=None):
+            return 0
+
+    ctx = comm.CommContext(Backend())
+    os.environ["ZERO_TIMEOUT"] = "20"
+    try:
+        waits.wait(Work(), "#3 all_gather blocks.0 in forward", None, ctx)
+    except comm.CollectiveTimeout as e:
+        message = str(e)
+    finally:
+        del os.environ["ZERO_TIMEOUT"]
+    assert "failed after 0.0 s, before the 20 s bound" in message and "died" in message
+    assert "waited 20 s" not in message

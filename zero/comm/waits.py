@@ -27,6 +27,7 @@ import contextvars
 import datetime
 import os
 import threading
+import time
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -61,13 +62,23 @@ def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
         return work.wait()
     # (a helper that cannot start, for want of memory, is that error, not a timeout)
     helper = _Helper(work) if how == "thread" else None
+    start = time.monotonic()
     try:
         if helper is not None:
             return helper.wait(seconds)
         return work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as e:
+        waited = time.monotonic() - start
         _EXPIRED.set((*_EXPIRED.get(), name))
         before = [n for n in ctx.last if n != name]
+        if waited < 0.9 * seconds:  # not the bound: the collective itself failed
+            raise CollectiveTimeout(
+                f"rank {ctx.backend.rank(group)}: collective {name} failed after {waited:.1f} s, "
+                f"before the {seconds:.0f} s bound: {e}. A peer process most likely died: gloo "
+                "aborts a process whose collective does not match the others' in size (a rank "
+                "that skipped a unit, ran one twice, or ran backward alone), and the others "
+                "then see its connections close. Look at the other ranks' output for the first "
+                f"error. Before it, this rank issued: {'; '.join(before) or 'nothing'}") from e
         raise CollectiveTimeout(
             f"rank {ctx.backend.rank(group)} waited {seconds:.0f} s for collective {name} and "
             f"the other ranks never joined it. Before it, this rank issued: "
