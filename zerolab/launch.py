@@ -132,6 +132,10 @@ def _rank_main(fn, rank, world_size, tmp, timeout, backend, args, writer) -> Non
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # Meet once before the test runs: until every rank has finished its gloo connection
+        # set-up, a rank that returns at once and exits cuts a slower peer's set-up short
+        # ("connectFullMesh failed ... Connection closed by peer"), on a loaded machine.
+        dist.barrier()
         result = (True, fn(rank, world_size, *args))
     except BaseException:
         result = (False, traceback.format_exc())
@@ -146,10 +150,10 @@ def _rank_main(fn, rank, world_size, tmp, timeout, backend, args, writer) -> Non
     writer.close()
     waits = sys.modules.get("zero.comm.waits")
     if result[0] and not (waits and waits.expired()):
-        # Leave together: a rank that exits at once can cut a peer's gloo connection set-up
-        # short ("connectFullMesh failed"). The parent already has this rank's result; a peer
-        # stuck in a collective (a test of timeouts) must not hold this one for long, and a
-        # rank whose own wait expired skips it: its group is out of step, no barrier completes.
+        # Leave together, so that no rank's exit closes a connection a peer's last collective
+        # still uses. The parent already has this rank's result; a peer stuck in a collective
+        # (a test of timeouts) must not hold this one for long, and a rank whose own wait
+        # expired skips it: its group is out of step, no barrier completes.
         try:
             dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=2))
         except Exception:
