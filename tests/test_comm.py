@@ -222,4 +222,5 @@ def test_a_collective_that_fails_early_says_so_not_that_it_waited_the_bound():
     finally:
         del os.environ["ZERO_TIMEOUT"]
     assert "failed after 0.0 s, before the 20 s bound" in message and "died" in message
+    assert "run again with ZERO_CHECK=1" in message
     assert "waited 20 s" not in message

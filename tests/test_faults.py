@@ -9,6 +9,7 @@ default mode, where every wait is bounded instead (zero/comm/waits.py), has case
 
 import copy
 import os
+import sys
 import time
 
 import pytest
@@ -417,3 +418,16 @@ def test_sharded_grad_scaler_agrees_on_found_inf_like_fsdp2():
     for failures, scales in run_ranks(_scaled_training, 2, "sharded"):
         assert failures == []
         assert scales == [[256.0, 256.0], [128.0, 128.0], [128.0, 128.0]]  # step 1 skipped
+
+
+def test_the_default_mode_matrix_tells_a_named_error_from_a_death():
+    """benchmarks/faults.py runs this file's cases in the default mode and sorts the endings
+    (the figures in notes/13). Two of its cases, checked here: a misuse every rank names, and
+    collectives of different sizes, where gloo kills the receiving process (SIGABRT) from its
+    own thread; the day gloo raises instead, this fails and the chapter must change."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import faults
+
+    assert faults.run_case("model.double() after sharding")[0] == "named"
+    ending, said = faults.run_case("stage 3: a rank skips a unit of another size")
+    assert ending == "died" and "exit code -6" in said, said

@@ -1,5 +1,5 @@
 """What check mode (ZERO_CHECK=1) costs per training step: one more small all-gather before
-every collective. The benchmark's default GPT on 2 CPU ranks (gloo), stages 1 and 3; median of
+every collective. The benchmark's default GPT on 2 CPU ranks (gloo), stages 1 to 3; median of
 20 steps after 3 warm-up steps, the two modes interleaved in blocks of 5 steps so that both see
 the same machine. Prints a table; the output is notes/figures/check_mode_cost.txt.
 """
@@ -49,7 +49,7 @@ def _measure(rank, n, stage):
 def main():
     print("| stage | default: ms/step (agreements) | check mode: ms/step (agreements) | cost |")
     print("|---|---|---|---|")
-    for stage in (1, 3):
+    for stage in (1, 2, 3):
         r = run_ranks(_measure, 2, stage)[0]
         (t0, a0), (t1, a1) = r["0"], r["1"]
         print(f"| {stage} | {1e3 * t0:.1f} ({a0}) | {1e3 * t1:.1f} ({a1}) | {100 * (t1 / t0 - 1):+.1f}% |")

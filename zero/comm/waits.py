@@ -78,7 +78,9 @@ def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
                 "aborts a process whose collective does not match the others' in size (a rank "
                 "that skipped a unit, ran one twice, or ran backward alone), and the others "
                 "then see its connections close. Look at the other ranks' output for the first "
-                f"error. Before it, this rank issued: {'; '.join(before) or 'nothing'}") from e
+                "error, and run again with ZERO_CHECK=1: every rank then names the first "
+                "collective that differs. Before it, this rank issued: "
+                f"{'; '.join(before) or 'nothing'}") from e
         raise CollectiveTimeout(
             f"rank {ctx.backend.rank(group)} waited {seconds:.0f} s for collective {name} and "
             f"the other ranks never joined it. Before it, this rank issued: "
