@@ -175,3 +175,54 @@ def test_a_parameter_replaced_after_sharding_is_adopted_as_fsdp2_does(how):
     ours, theirs = run_ranks(_replaced, 2, "zero", how), run_ranks(_replaced, 2, "torch", how)
     for o, t in zip(ours, theirs):
         assert o.keys() == t.keys() and all(torch.equal(o[k], t[k]) for k in o)
+
+
+# ---- a model sharded on the meta device stays there until to_empty ---------------------------
+
+
+def _from_meta(rank, n, which, how):
+    """Lightning's ModelParallelStrategy: build under the meta device, shard (the user's
+    configure_model), then, if any parameter is still on meta, ``to_empty`` and each
+    submodule's ``reset_parameters``; torchtune: shard on meta, load with assign=True."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shard = torch_fully_shard if which == "torch" else zero.fully_shard
+    with torch.device("meta"):
+        model = _Generator()
+    for m in [*model.blocks, model]:
+        shard(m)
+    on_meta = [p.is_meta for p in model.parameters()]
+    if how == "lightning":
+        if any(on_meta):  # Lightning's _has_meta_device_parameters_or_buffers
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            for m in model.modules():
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+    else:
+        torch.manual_seed(1)
+        full = _Generator().state_dict()
+        model.load_state_dict({k: torch.nn.Parameter(distribute_tensor(
+            full[k], p.device_mesh, p.placements)) for k, p in model.state_dict().items()},
+            assign=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(2):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return on_meta, {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                     for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["lightning", "torchtune"])
+def test_a_model_sharded_on_meta_stays_on_meta_until_to_empty_as_on_fsdp2(how):
+    """Lightning asks "is anything still on meta?" before it calls to_empty and
+    reset_parameters: zero's shards were real (zero-filled) CPU tensors, so it skipped both and
+    the first forward refused to run. Now the parameters are on meta until to_empty or a load,
+    and the run is FSDP2's, bitwise."""
+    ours, theirs = run_ranks(_from_meta, 2, "zero", how), run_ranks(_from_meta, 2, "torch", how)
+    for (o_meta, o), (t_meta, t) in zip(ours, theirs):
+        assert o_meta == t_meta and all(t_meta)
+        assert o.keys() == t.keys() and all(torch.equal(o[k], t[k]) for k in o)

@@ -104,6 +104,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
           ignored_params=ignored_params, layout=layout, device=device,
           offload_policy=offload_policy)
+    for unit in registry.units_on(modules[0]):
+        if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values
+            unit.params_on_meta()
     for m in modules:
         cls = type(m)
         if cls not in _CLASSES:
@@ -231,6 +234,7 @@ class ZeroFSDPModule(FSDPModule):
                     m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
                                                        requires_grad=p.requires_grad)
         for unit in units:
+            unit.params_on_shard()  # each parameter, the same object, now shows its pieces
             unit.materialized = True  # the model's init writes the shards (through DTensors)
         return self
 

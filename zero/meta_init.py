@@ -64,6 +64,7 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = res
         init_fn(mod)
         for u in [u for u in full if last[u] == i]:
             u.sharded.copy_(u.layout.to_wire(full.pop(u))[u.local.slot])
+            u.params_on_shard()  # (fully_shard showed them on meta until now)
             u.use_sharded_params()
             u.shard_changed(phase="init")  # stages 1/2: gather the full parameters
     for u in units:  # units with no parameters of their own

@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import checks, registry
@@ -189,6 +190,40 @@ class Unit:
             adopted = True
         if adopted:
             self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
+
+    def params_on_meta(self) -> None:
+        """Show the sharded parameters on the meta device, as FSDP2 does for a module it
+        sharded there: clients ask "is anything still on meta?" before they call ``to_empty``
+        and ``reset_parameters`` (Lightning). The shard itself is real from the start; the
+        parameters point at it again in ``params_on_shard``."""
+        for sp in self.sharded_params:
+            shown = sp.sharded
+            local = shown.to_local() if isinstance(shown, DTensor) else shown.data
+            on_meta = torch.empty_like(local, device="meta")
+            if isinstance(shown, DTensor):
+                on_meta = DTensor.from_local(on_meta, shown.device_mesh, shown.placements,
+                                             run_check=False, shape=shown.shape,
+                                             stride=shown.stride())
+            sp.sharded = nn.Parameter(on_meta, requires_grad=shown.requires_grad)
+            registry.mark_piece(sp.sharded, self, sp.index)
+            sp.use_sharded()
+        self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
+
+    def params_on_shard(self) -> None:
+        """The parameters shown on meta (``params_on_meta``) become views of this rank's
+        pieces of the shard again, each the same Python object (``torch.utils.swap_tensors``,
+        as ``nn.Module.to_empty`` keeps a DTensor's identity), so writes through them (the
+        model's own init) land in the shard."""
+        for sp in self.sharded_params:
+            if not sp.sharded.is_meta:
+                continue
+            real = nn.Parameter(self.exposed_piece(self.sharded, sp.index),
+                                requires_grad=sp.sharded.requires_grad)
+            torch.utils.swap_tensors(sp.sharded, real)
+            registry.mark_piece(sp.sharded, self, sp.index)
+            sp.use_sharded()
+        self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
+        self._seen_version = self._versions()
 
     def rename(self, name: str) -> None:
         self.name = self.grads.name = name
