@@ -356,3 +356,61 @@ def test_torchtune_recipe_setup_and_step_as_on_fsdp2(in_backward, tmp_path):
         _same([ours], [theirs])
     start, end = runs["zero", "train"][0]["initial"], runs["zero", "train"][0]["state"]
     assert not any(torch.equal(start[k], end[k]) for k in end if k.endswith("weight"))
+
+
+# ---- the Lightning Trainer: the user's configure_model shards ----------------------------------
+
+
+def _lightning_trainer(rank, n, which, ckpt, phase):
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    _env(rank, n)
+    shard = zero.fully_shard if which == "zero" else torch_fully_shard
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = None
+
+        def configure_model(self):  # Lightning calls it; the sharding is the user's code
+            if self.net is None:
+                self.net = Net()
+                for block in self.net.blocks:
+                    shard(block, mesh=self.device_mesh["data_parallel"])
+                shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, index):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))), batch_size=4)
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=n, max_steps=2 if phase == "train" else 3,
+        strategy=ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1),
+        gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    module = Module()
+    trainer.fit(module, data, ckpt_path=ckpt if phase == "resume" else None)
+    if phase == "train":
+        trainer.save_checkpoint(ckpt)
+    return {"by": _by(module.net), "params": _full(module.net)}
+
+
+@pytest.mark.full
+def test_lightning_trainer_model_parallel_strategy_trains_and_resumes_as_on_fsdp2(tmp_path):
+    """setup's model.to(device) (a no-op), clipping by the Trainer, save_checkpoint and a
+    resume through fit(ckpt_path=...) in fresh ranks."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch  # noqa: F401  (here, once: the ranks fork with it imported)
+
+    runs = {(w, p): run_ranks(_lightning_trainer, 2, w, str(tmp_path / w), p, timeout=120)
+            for w in ("zero", "torch") for p in ("train", "resume")}
+    for phase in ("train", "resume"):
+        assert (runs["zero", phase][0]["by"], runs["torch", phase][0]["by"]) == ("zero", "torch")
+        _same([r["params"] for r in runs["zero", phase]], [r["params"] for r in runs["torch", phase]])
