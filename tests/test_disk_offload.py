@@ -368,3 +368,30 @@ def test_two_roots_in_one_optimizer_train_as_in_memory(tmp_path):
     for m, d in zip(memory, disk):
         for mm, dd in zip(m, d):
             assert all(torch.equal(mm[k], dd[k]) for k in mm)
+
+
+def _resumed(rank, n, directory, ckpt, opt_name):
+    offload = zero.DiskOffload(os.path.join(directory, f"r{rank}")) if directory else \
+        zero.CPUOffload()
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[opt_name]
+    model = _model(3, False, offload)
+    opt = make(model.parameters())
+    train_steps(model, opt, rank, 2)
+    zero.save(ckpt, model, opt)
+    fresh = _model(3, False, offload)  # the usual resume: build, shard, optimizer, load, train
+    opt = make(fresh.parameters())
+    zero.load(ckpt, fresh, opt)  # before any forward: units are still named by their class
+    train_steps(fresh, opt, rank, 2, first=2)
+    return zero.full_state_dict(fresh)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_a_resume_before_the_first_forward_trains_on_as_cpu_offload(opt_name, tmp_path):
+    """The state loaded before the first forward went into files keyed by the units' class
+    names, which the first forward changed: SGD's momentum restarted silently, AdamW raised
+    KeyError 'exp_avg'. Files are keyed by the unit itself now."""
+    disk = run_ranks(_resumed, 2, str(tmp_path / "d"), str(tmp_path / "c1"), opt_name)
+    memory = run_ranks(_resumed, 2, None, str(tmp_path / "c2"), opt_name)
+    for d, m in zip(disk, memory):
+        assert all(torch.equal(d[k], m[k]) for k in m)
