@@ -142,6 +142,7 @@ def test_a_step_disk_offload_cannot_split_is_refused(what, tmp_path):
 # ---- under a memory limit ------------------------------------------------------------------
 
 
+@pytest.mark.full  # 13 s: three fresh interpreters (benchmarks/results/*-disk.md has its figures)
 def test_disk_offload_trains_under_a_memory_limit_the_in_memory_run_exceeds():
     """benchmarks/disk_limit.py's three runs, each in a fresh interpreter: 8 units of 1024 x
     1024, AdamW's state 32 MiB a rank, the address space allowed to grow by 24 MiB."""

@@ -203,7 +203,8 @@ def _trainer(rank, n, which, out, phase, extra):
 TRAINER = ["accumulate", "bf16,checkpointing", "evaluate"]
 
 
-@pytest.mark.parametrize("extra", sample(TRAINER[:1], TRAINER))
+@pytest.mark.full  # 16 s a case: four Trainer runs (the suite keeps to 5 minutes)
+@pytest.mark.parametrize("extra", TRAINER)
 def test_hf_trainer_with_fsdp2_trains_and_resumes_as_on_fsdp2(extra, tmp_path):
     """A tiny Llama from its config, the Trainer's FSDP2 path (version 2, wrapped by decoder
     layer), clipping, a checkpoint at step 2 and a resume to step 3 in fresh ranks."""

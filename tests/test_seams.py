@@ -195,11 +195,13 @@ def test_chapter_15_is_written_from_the_protocols_and_zeros_own_objects_fit_them
 # ---- the ranks agree on every policy's parameters -----------------------------------------
 
 
-def _policies(rank, n, field):
+def _policies(rank, n, field, tmp):
     kw = {"comm": dict(comm_policy=zero.QuantizedWeights(block=2 if rank == 0 else 14)),
           "layout": dict(layout="flat" if rank == 0 else "whole"),
           "prefetch": dict(prefetch=1 + rank),
-          "mp": dict(mp_policy=zero.MixedPrecision(torch.bfloat16 if rank else torch.float16))}
+          "mp": dict(mp_policy=zero.MixedPrecision(torch.bfloat16 if rank else torch.float16)),
+          "offload": dict(offload_policy=zero.CPUOffload() if rank == 0 else None),
+          "backend": dict(backend=LoggingBackend(os.path.join(tmp, "log")) if rank else None)}
     try:
         zero.shard(torch.nn.Linear(4, 4), stage=3, **kw[field])
     except ValueError as e:
@@ -208,7 +210,8 @@ def _policies(rank, n, field):
 
 
 @pytest.mark.parametrize("field,named", [("comm", "comm_policy"), ("layout", "layout"),
-                                         ("prefetch", "prefetch"), ("mp", "mp_policy")])
-def test_ranks_that_differ_on_a_policys_parameters_raise_naming_it(field, named):
-    for message in run_ranks(_policies, 2, field):
+                                         ("prefetch", "prefetch"), ("mp", "mp_policy"),
+                                         ("offload", "offload_policy"), ("backend", "backend")])
+def test_ranks_that_differ_on_a_policys_parameters_raise_naming_it(field, named, tmp_path):
+    for message in run_ranks(_policies, 2, field, str(tmp_path)):
         assert f"{named} differs" in message, message
