@@ -42,8 +42,10 @@ from zerolab.trackers import ZeroMemTracker  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402
 
 VOCAB, SEQ, BATCH = 50304, 128, 1  # a short sequence: activations are not model states
-PAPER_TABLE1 = {  # ZeRO paper, Table 1: 7.5B parameters, K = 12, GB per device
-    4: (52.5, 41.2, 30.0), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88), 1024: (30.1, 15.1, 0.12)}
+PAPER_TABLE1 = {  # ZeRO paper, Table 1: 7.5B parameters, K = 12, GB per device, as printed
+    4: (52.5, 41.3, 30.0), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88), 1024: (30.1, 15.1, 0.12)}
+# Each entry is its formula at Ψ = 7.5e9 rounded as the paper rounds it: at N = 4, stage 2,
+# 2 * 7.5 + 14 * 7.5 / 4 = 41.25 is printed 41.3 (notes/09-scale.md, under Table 1).
 GB = 1e9
 # The command line's bounds: the simulation's own time and memory grow with the layers, about
 # 0.09 s and 0.6 MB a layer per stage (2 CPU cores; measured 2026-11-30): 7.5e9 parameters

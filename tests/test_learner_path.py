@@ -176,7 +176,7 @@ def test_chapter_9_table_1_is_the_papers_formula_at_7_5b():
             assert abs(float(paper) - exact) <= 0.5 * 10 ** -decimals + 1e-9, (n, stage, paper, exact)
             shown = 0.5 * 10 ** -len(ours.split(".")[1]) / float(paper)  # ours is rounded
             assert abs(float(ours) / float(paper) - float(ratio)) <= shown + 0.0005, cell
-    assert "| 4 | 52.5 → 52.19 (0.994) | 41.25* →" in text  # N = 4, P_os+g: unrounded, starred
+    assert "| 4 | 52.5 → 52.19 (0.994) | 41.3* →" in text  # N = 4, P_os+g: as printed, starred
 
 
 def test_a_trace_excerpt_is_rows_of_the_committed_one():

@@ -332,6 +332,34 @@ def _code_and_docstrings(path: str) -> tuple[int, int]:
     return len(code), len(docs)
 
 
+# ---- the learner's path, walked fresh (issue 34): what cost a newcomer time -----------------
+
+def test_table_1_quotes_the_paper_as_printed():
+    """Chapter 9's and simulate.py's "paper" cells are the ZeRO paper's Table 1 as printed: each
+    formula at Ψ = 7.5e9 rounded half up to the digits shown (41.25 is printed 41.3, which
+    this project once misquoted as 41.2), the same in simulate.py and in its results file."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    psi = Decimal("7.5")
+    formula = {1: lambda n: 4 * psi + 12 * psi / n, 2: lambda n: 2 * psi + 14 * psi / n,
+               3: lambda n: 16 * psi / n}
+    text = open(os.path.join(ROOT, "notes", "09-scale.md")).read().split("## Table 1", 1)[1]
+    printed = {int(n): tuple(re.findall(r"([\d.]+)\*? →", cells))
+               for n, cells in re.findall(r"^\| (\d+) \| (.+) \|$", text, re.M)}
+    for n, cells in printed.items():
+        for stage, cell in enumerate(cells, 1):
+            assert formula[stage](n).quantize(Decimal(cell), ROUND_HALF_UP) == Decimal(cell), (n, cell)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import simulate
+
+    assert {n: tuple(float(c) for c in cells) for n, cells in printed.items()} == simulate.PAPER_TABLE1
+    results = open(os.path.join(ROOT, "benchmarks", "results", "2026-11-29-x86_64-2cpu-simulate.md")).read()
+    column = {(int(n), int(s)): float(p) for n, s, p in
+              re.findall(r"^\| (\d+) \| ([123]) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$",
+                         results.split("## Table 1", 1)[1].split("## Table 2", 1)[0], re.M)}
+    assert column == {(n, s): v[s - 1] for n, v in simulate.PAPER_TABLE1.items() for s in (1, 2, 3)}
+
+
 # ---- python tests/test_notes.py --fix: re-point links after code moved -------------------
 
 def _place(label: str, full: str, line: int) -> int | None:
