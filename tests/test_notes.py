@@ -334,6 +334,46 @@ def _code_and_docstrings(path: str) -> tuple[int, int]:
 
 # ---- the learner's path, walked fresh (issue 34): what cost a newcomer time -----------------
 
+def _core(chapter: str) -> str:
+    """A chapter without its sections marked *On a second reading* (as the path reads it)."""
+    parts = re.split(r"(?m)^(?=## )", open(os.path.join(ROOT, "notes", chapter)).read())
+    return "".join(p for p in parts if "*On a second reading" not in p[:300])
+
+def test_a_core_section_names_the_file_of_each_output_it_quotes():
+    """An output quoted in the part of a chapter read first names its file there, before the
+    quote, not only in a section marked *on a second reading* that the reader skipped
+    (chapter 5 once quoted "Part 2 of the output" of a figure it had named only there)."""
+    outputs = {f: {line.strip() for line in open(os.path.join(FIGURES_DIR, f)) if line.strip()}
+               for f in os.listdir(FIGURES_DIR) if f.endswith(".txt")}
+    unnamed, quotes = [], 0
+    for chapter in ("03-stage1.md", "04-stage2.md", "05-stage3.md"):
+        text = _core(chapter)
+        for m in re.finditer(r"```\n(.*?)```", text, re.S):
+            lines = [s.strip() for s in m.group(1).splitlines() if s.strip() and s.strip() != "..."]
+            for name, held in outputs.items():
+                if lines and all(s in held for s in lines):
+                    quotes += 1
+                    if f"figures/{name}" not in text[:m.start()]:
+                        unnamed.append((chapter, name, lines[0]))
+    assert quotes >= 1 and not unnamed, unnamed
+
+def test_chapter_5_says_what_the_stage_table_is_where_it_uses_it():
+    """The path reaches chapter 5 from the road, without chapters 3 and 4: the sentence that
+    places stage 3 in ``STAGES`` says what the table's rows and columns are."""
+    para = next(p for p in _core("05-stage3.md").split("\n\n") if "keep_params=False" in p)
+    para = " ".join(para.split())
+    assert "[`STAGES`]" in para and "a row per stage" in para and "`keep_grads`" in para, para
+
+def test_the_core_of_chapter_5_says_which_model_it_counts():
+    """A number of the 4-block GPT in chapter 5's core says it is the road's model (its own
+    trace has 2 blocks), and is the one the road prints where the road prints it."""
+    text = " ".join(_core("05-stage3.md").split())
+    assert "GPT above" not in text
+    assert "On the road's 4-block GPT, whose root is 0.067Ψ, the package sends 2.933R" in text
+    step4 = " ".join(open(os.path.join(ROOT, "notes", "road", "README.md")).read().split())
+    assert "road step 4, which gathers its root again for backward, prints 3.000R" in text
+    assert "(3R sent)" in step4  # the road's ZeRO-3 paragraph: every unit gathered twice
+
 def test_table_1_quotes_the_paper_as_printed():
     """Chapter 9's and simulate.py's "paper" cells are the ZeRO paper's Table 1 as printed: each
     formula at Ψ = 7.5e9 rounded half up to the digits shown (41.25 is printed 41.3, which
