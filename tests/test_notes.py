@@ -374,6 +374,16 @@ def test_the_core_of_chapter_5_says_which_model_it_counts():
     assert "road step 4, which gathers its root again for backward, prints 3.000R" in text
     assert "(3R sent)" in step4  # the road's ZeRO-3 paragraph: every unit gathered twice
 
+def test_the_road_folds_steps_4_and_5_until_exercise_5_is_done():
+    """Exercise 5 asks to write step 4 before reading it: on the road's page the paragraphs of
+    steps 4 and 5, which give its answers (resize to 0, refill through ``.data``), stay folded
+    under the stop sign until the reader opens them."""
+    text = open(os.path.join(ROOT, "notes", "road", "README.md")).read()
+    stop, zero3 = text.index("*Stop here, after step 3"), text.index("**ZeRO-3** frees")
+    fold = text.index("<details>", stop)
+    assert stop < fold < zero3 < text.index("**Prefetching**") < text.index("</details>", fold)
+    assert "exercise 5" in text[fold: zero3] and "<summary>" in text[fold: zero3]
+
 def test_table_1_quotes_the_paper_as_printed():
     """Chapter 9's and simulate.py's "paper" cells are the ZeRO paper's Table 1 as printed: each
     formula at Ψ = 7.5e9 rounded half up to the digits shown (41.25 is printed 41.3, which
