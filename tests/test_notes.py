@@ -374,6 +374,14 @@ def test_the_core_of_chapter_5_says_which_model_it_counts():
     assert "road step 4, which gathers its root again for backward, prints 3.000R" in text
     assert "(3R sent)" in step4  # the road's ZeRO-3 paragraph: every unit gathered twice
 
+def test_the_start_page_points_to_its_table_of_names_the_right_way():
+    """The path's first step names the table of names as above or below the list, as it is."""
+    text = open(os.path.join(ROOT, "notes", "00-start-here.md")).read()
+    table = text.index("## From the road's names to the package's")
+    for m in re.finditer(r"table of names (?:just )?(above|below)", text):
+        assert (m.group(1) == "above") == (table < m.start()), text[m.start() - 40: m.end() + 40]
+    assert re.search(r"table of names (?:just )?(above|below)", text)
+
 def test_the_road_folds_steps_4_and_5_until_exercise_5_is_done():
     """Exercise 5 asks to write step 4 before reading it: on the road's page the paragraphs of
     steps 4 and 5, which give its answers (resize to 0, refill through ``.data``), stay folded
@@ -383,6 +391,16 @@ def test_the_road_folds_steps_4_and_5_until_exercise_5_is_done():
     fold = text.index("<details>", stop)
     assert stop < fold < zero3 < text.index("**Prefetching**") < text.index("</details>", fold)
     assert "exercise 5" in text[fold: zero3] and "<summary>" in text[fold: zero3]
+
+def test_the_glossary_counts_the_agreement_as_the_trace_does():
+    """The trace's agreement row shows its buffer (32 B) and its summary what was sent (16 B):
+    the glossary says both, so that neither looks like a mistake."""
+    trace = open(os.path.join(FIGURES_DIR, "trace_stage3.txt")).read()
+    row = re.search(r"agree on the next step, (\d+) B", trace).group(1)
+    sent = re.search(r"(\d+) agree (\d+) B", trace).groups()
+    glossary = " ".join(open(os.path.join(ROOT, "notes", "00-start-here.md")).read().split())
+    assert f"`agree on the next step, {row} B`: its buffer, of which each rank sends {sent[1]}" \
+        in glossary and f"`{sent[0]} agree {sent[1]} B`" in glossary
 
 def test_table_1_quotes_the_paper_as_printed():
     """Chapter 9's and simulate.py's "paper" cells are the ZeRO paper's Table 1 as printed: each
