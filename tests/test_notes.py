@@ -339,6 +339,7 @@ def _core(chapter: str) -> str:
     parts = re.split(r"(?m)^(?=## )", open(os.path.join(ROOT, "notes", chapter)).read())
     return "".join(p for p in parts if "*On a second reading" not in p[:300])
 
+
 def test_a_core_section_names_the_file_of_each_output_it_quotes():
     """An output quoted in the part of a chapter read first names its file there, before the
     quote, not only in a section marked *on a second reading* that the reader skipped
@@ -357,12 +358,14 @@ def test_a_core_section_names_the_file_of_each_output_it_quotes():
                         unnamed.append((chapter, name, lines[0]))
     assert quotes >= 1 and not unnamed, unnamed
 
+
 def test_chapter_5_says_what_the_stage_table_is_where_it_uses_it():
     """The path reaches chapter 5 from the road, without chapters 3 and 4: the sentence that
     places stage 3 in ``STAGES`` says what the table's rows and columns are."""
     para = next(p for p in _core("05-stage3.md").split("\n\n") if "keep_params=False" in p)
     para = " ".join(para.split())
     assert "[`STAGES`]" in para and "a row per stage" in para and "`keep_grads`" in para, para
+
 
 def test_the_core_of_chapter_5_says_which_model_it_counts():
     """A number of the 4-block GPT in chapter 5's core says it is the road's model (its own
@@ -374,6 +377,7 @@ def test_the_core_of_chapter_5_says_which_model_it_counts():
     assert "road step 4, which gathers its root again for backward, prints 3.000R" in text
     assert "(3R sent)" in step4  # the road's ZeRO-3 paragraph: every unit gathered twice
 
+
 def test_the_start_page_points_to_its_table_of_names_the_right_way():
     """The path's first step names the table of names as above or below the list, as it is."""
     text = open(os.path.join(ROOT, "notes", "00-start-here.md")).read()
@@ -381,6 +385,7 @@ def test_the_start_page_points_to_its_table_of_names_the_right_way():
     for m in re.finditer(r"table of names (?:just )?(above|below)", text):
         assert (m.group(1) == "above") == (table < m.start()), text[m.start() - 40: m.end() + 40]
     assert re.search(r"table of names (?:just )?(above|below)", text)
+
 
 def test_the_road_folds_steps_4_and_5_until_exercise_5_is_done():
     """Exercise 5 asks to write step 4 before reading it: on the road's page the paragraphs of
@@ -392,6 +397,7 @@ def test_the_road_folds_steps_4_and_5_until_exercise_5_is_done():
     assert stop < fold < zero3 < text.index("**Prefetching**") < text.index("</details>", fold)
     assert "exercise 5" in text[fold: zero3] and "<summary>" in text[fold: zero3]
 
+
 def test_the_glossary_counts_the_agreement_as_the_trace_does():
     """The trace's agreement row shows its buffer (32 B) and its summary what was sent (16 B):
     the glossary says both, so that neither looks like a mistake."""
@@ -401,6 +407,19 @@ def test_the_glossary_counts_the_agreement_as_the_trace_does():
     glossary = " ".join(open(os.path.join(ROOT, "notes", "00-start-here.md")).read().split())
     assert f"`agree on the next step, {row} B`: its buffer, of which each rank sends {sent[1]}" \
         in glossary and f"`{sent[0]} agree {sent[1]} B`" in glossary
+
+
+def test_the_exercise_check_shows_a_path_the_learner_can_find(tmp_path):
+    """``check.py 5 /tmp/mine.py`` names /tmp/mine.py, not ../../tmp/mine.py."""
+    spec = importlib.util.spec_from_file_location(
+        "exercise_check", os.path.join(ROOT, "notes", "exercises", "check.py"))
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    mine = str(tmp_path / "mine.py")
+    assert check.shown(mine) == mine
+    here = os.path.join(os.getcwd(), "notes", "exercises", "5_write_stage3.py")
+    assert check.shown(here) == os.path.join("notes", "exercises", "5_write_stage3.py")
+
 
 def test_table_1_quotes_the_paper_as_printed():
     """Chapter 9's and simulate.py's "paper" cells are the ZeRO paper's Table 1 as printed: each

@@ -195,6 +195,13 @@ def verdicts(paths: dict[str, tuple[int, str]]) -> dict[str, list[str]]:
     return out
 
 
+def shown(path: str) -> str:
+    """``path`` as the learner can find it: relative to here if it lies below, else absolute
+    (a copy in /tmp is not ``../../tmp/...``)."""
+    rel = os.path.relpath(path)
+    return os.path.abspath(path) if rel.startswith("..") else rel
+
+
 def main(argv: list[str]) -> int:
     if not argv or not argv[0].isdigit() or int(argv[0]) not in CHECKS:
         print(__doc__.strip().splitlines()[0], f"(N in {sorted(CHECKS)})")
@@ -202,7 +209,7 @@ def main(argv: list[str]) -> int:
     number = int(argv[0])
     path = argv[1] if len(argv) > 1 else glob.glob(os.path.join(HERE, f"{number}_*.py"))[0]
     wrong = verdicts({"yours": (number, path)})["yours"]
-    print(f"exercise {number} ({os.path.relpath(path)}): " + ("done" if not wrong else "not yet"))
+    print(f"exercise {number} ({shown(path)}): " + ("done" if not wrong else "not yet"))
     for w in wrong:
         print("  " + w)
     return 0 if not wrong else 1
