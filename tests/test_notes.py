@@ -447,6 +447,21 @@ def test_table_1_quotes_the_paper_as_printed():
     assert column == {(n, s): v[s - 1] for n, v in simulate.PAPER_TABLE1.items() for s in (1, 2, 3)}
 
 
+def test_a_core_section_sends_to_a_skipped_one_by_name():
+    """"The next section" in the part of a chapter read first is a section read first too;
+    a section marked *on a second reading* is named and linked (chapter 3 once sent the reader
+    to "the next section", which was one the path skips and not the one that followed)."""
+    bad = []
+    for chapter in ("03-stage1.md", "04-stage2.md", "05-stage3.md"):
+        parts = re.split(r"(?m)^(?=## )", open(os.path.join(ROOT, "notes", chapter)).read())
+        second = ["*On a second reading" in p[:300] for p in parts]
+        for i, part in enumerate(parts):
+            if not second[i] and "next section" in " ".join(part.split()):
+                if i + 1 >= len(parts) or second[i + 1]:
+                    bad.append((chapter, part.split("\n", 1)[0]))
+    assert not bad, bad
+
+
 # ---- python tests/test_notes.py --fix: re-point links after code moved -------------------
 
 def _place(label: str, full: str, line: int) -> int | None:
