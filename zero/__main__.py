@@ -2,6 +2,7 @@
 
     python -m zero export CKPT OUT.pt   # a zero.save checkpoint as one plain torch.save file
     python -m zero trace --stage 3      # one training step on 2 local ranks, narrated
+    python -m zero plan --model M --world-size N   # each system's memory, bytes and time, predicted
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ def main(argv: list[str] | None = None) -> None:
     from zerolab import trace  # the bench's: it watches zero from the outside
 
     trace.add_arguments(tr)
+    pl = sub.add_parser("plan", help="predict each system's memory, traffic and step time for "
+                                     "a model on a cluster, from the real sharding on fake ranks")
+    from zerolab import plan
+
+    plan.add_arguments(pl)
     args = parser.parse_args(argv)
     if args.command == "trace":
         trace.run(args, tr)
+        return
+    if args.command == "plan":
+        plan.run(args, pl)
         return
     try:
         state = checkpoint.export(args.checkpoint, args.out)

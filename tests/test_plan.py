@@ -1,0 +1,147 @@
+"""``python -m zero plan``: the figures it predicts, and what it says to input it cannot use.
+
+The plan runs the real sharding on fake ranks (zerolab/plan.py); these tests hold its
+shortcut (a model of alike blocks simulated at 3 and 4 blocks and extended) to the full
+simulation, its figures to the ZeRO paper's arithmetic, and its errors to one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch.nn as nn
+
+from zero.__main__ import main
+from zerolab.models import GPT, GPTConfig
+from zerolab.planmodel import PlanError, build, repeated_blocks
+
+HERE = __name__  # the module:callable name of the models below
+
+
+def deep() -> nn.Module:
+    """7 alike blocks: deeper than the 4 the plan simulates before extending."""
+    return GPT(GPTConfig(vocab=64, seq=16, dim=32, layers=7, heads=4))
+
+
+def raises() -> nn.Module:
+    raise RuntimeError("the config server is down")
+
+
+def not_a_module():
+    return {"layers": 3}
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.emb = nn.Embedding(8, 2)
+        self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(blocks))
+
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def too_deep() -> nn.Module:
+    return Stack(2100)
+
+
+def flat() -> nn.Module:  # no ModuleList: the plan must run all of it
+    return nn.Sequential(nn.Embedding(8, 2), *(nn.Linear(2, 2) for _ in range(2100)))
+
+
+def plan_json(tmp_path, *argv) -> dict:
+    out = tmp_path / "plan.json"
+    main(["plan", "--world-size", "4", "--seq", "16", "--batch", "2", "--json", str(out), *argv])
+    return {r["system"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("systems", ["zero3", pytest.param("ddp,zero2,fsdp2", marks=pytest.mark.full)])
+def test_extended_from_3_and_4_blocks_equals_every_block_simulated(tmp_path, capsys, systems):
+    systems = f"--systems={systems}"
+    short = plan_json(tmp_path, "--model", f"{HERE}:deep", systems)
+    assert "simulated at 3 and 4 blocks and extended" in capsys.readouterr().out
+    exact = plan_json(tmp_path, "--model", f"{HERE}:deep", systems, "--exact")
+    assert "every block simulated" in capsys.readouterr().out
+    assert set(short) == set(exact) == set(systems.split("=")[1].split(","))
+    for kind in short:
+        for key in ("model_state_bytes_per_rank", "peak_bytes_per_rank",
+                    "bytes_sent_per_rank_per_step", "flops_per_rank_per_step"):
+            assert short[kind][key] == exact[kind][key] > 0, (kind, key)
+
+
+def test_the_figures_follow_the_papers_arithmetic(tmp_path):
+    rows = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems=ddp,zero1,zero3")
+    psi, n = rows["ddp"]["params"], 4
+    # DDP: every fp32 gradient all-reduced once, 2(N-1)/N of it sent
+    assert rows["ddp"]["bytes_sent_per_rank_per_step"] == 2 * 4 * psi * (n - 1) // n
+    # DDP holds 16 bytes a parameter (fp32 weights, gradients, two AdamW moments) + counters
+    assert 16 * psi <= rows["ddp"]["model_state_bytes_per_rank"] < 16.1 * psi
+    states = [rows[k]["model_state_bytes_per_rank"] for k in ("ddp", "zero1", "zero3")]
+    assert states == sorted(states, reverse=True) and len(set(states)) == 3
+    sent = {k: rows[k]["bytes_sent_per_rank_per_step"] for k in rows}
+    assert sent["ddp"] <= sent["zero1"] < sent["zero3"]  # stage 3 gathers again in backward
+    for r in rows.values():
+        assert r["peak_bytes_per_rank"] > r["model_state_bytes_per_rank"]  # + activations
+        assert r["predicted_step_s"] > r["compute_s"] > 0
+
+
+def test_units_are_the_repeated_blocks():
+    with __import__("torch").device("meta"):
+        model = build(f"{HERE}:deep")
+    assert repeated_blocks(model.inner) == [f"blocks.{i}" for i in range(7)]
+    assert model.repeat()["alike"] and model.repeat()["class"] == "Block"
+    model.keep_blocks(3)
+    assert len(model.inner.blocks) == 3 and len(model.units()) == 4  # 3 blocks and the root
+
+
+def error_of(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--world-size", "4", "--seq", "16", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") <= 3, err
+    return err
+
+
+def test_bad_models_are_refused_naming_the_fix(tmp_path, capsys):
+    assert "no such file" in error_of(capsys, "--model", str(tmp_path / "config.json"))
+    assert "not package.module:callable" in error_of(capsys, "--model", "llama")
+    (tmp_path / "weights.json").write_text('{"hidden_size": 64}')
+    err = error_of(capsys, "--model", str(tmp_path / "weights.json"))
+    assert "model_type" in err and "config.json" in err
+    (tmp_path / "broken.json").write_text("{")
+    assert "not a readable JSON config" in error_of(capsys, "--model", str(tmp_path / "broken.json"))
+    err = error_of(capsys, "--model", f"{HERE}:raises")
+    assert "RuntimeError: the config server is down" in err and "no arguments" in err
+    err = error_of(capsys, "--model", f"{HERE}:not_a_module")
+    assert "returned dict, not an nn.Module" in err
+    assert "cannot import" in error_of(capsys, "--model", "no_such_package.models:build")
+
+
+def test_bounds_are_refused_naming_the_fix(capsys):
+    err = error_of(capsys, "--model", f"{HERE}:too_deep", "--exact")
+    assert "2,101 modules" in err and "leave out --exact" in err
+    err = error_of(capsys, "--model", f"{HERE}:flat")
+    assert "2,101 modules" in err and "nn.ModuleList" in err
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--world-size", "2000000")
+    assert "--world-size 2000000" in err and "1,000,000" in err
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--seq", "17")
+    assert "--seq 16 or less" in err
+
+
+def test_a_config_without_transformers_says_to_install_it(tmp_path, capsys, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    err = error_of(capsys, "--model", str(tmp_path))
+    assert "pip install transformers" in err
+
+
+def test_plan_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        build("no-such-thing")
+    assert issubclass(PlanError, ValueError)

@@ -1,0 +1,255 @@
+"""What ``python -m zero plan --model MODEL`` accepts, built into one shape the plan can run.
+
+MODEL is one of:
+
+- a path to a Hugging Face ``config.json`` (or the folder holding one): the model is built
+  from the config with ``transformers`` (``from_config``: nothing is downloaded), as the
+  class its ``architectures`` field names, else a causal LM, a masked LM, or the bare model
+  (``pip install transformers``; a Mixture-of-Experts runs its experts with transformers'
+  grouped matmul, as on a GPU);
+- ``package.module:callable``: any function returning an ``nn.Module`` that takes token ids
+  ``(batch, seq)`` (``zerolab.planmodel:gpt_7_5b`` is one).
+
+``Planned`` wraps what was built with what the systems of ``zerolab.systems`` ask of a model:
+``units()`` (each repeated block, then the root), ``batch()`` and ``loss()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class PlanError(ValueError):
+    """Bad input to the plan: the message says what to do instead."""
+
+
+class Planned(nn.Module):
+    """A model and the facts the plan needs: its units, a batch of token ids, a loss.
+
+    The loss is the cross-entropy of the logits against the next tokens when the model
+    returns a score per vocabulary entry; otherwise (an encoder's hidden states) the mean
+    square of the output, which exercises the same backward.
+    """
+
+    def __init__(self, inner: nn.Module, vocab: int, checkpoint: bool = False):
+        super().__init__()
+        self.inner, self.vocab = inner, vocab
+        self.block_names = repeated_blocks(inner)
+        if checkpoint:  # activation checkpointing: each block recomputed in backward
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper)
+
+            for name in self.block_names:
+                parent, _, child = name.rpartition(".")
+                holder = inner.get_submodule(parent) if parent else inner
+                setattr(holder, child, checkpoint_wrapper(holder.get_submodule(child)))
+
+    def max_positions(self) -> int | None:
+        """The longest sequence the model embeds positions for, where it says (else None)."""
+        for holder, key in ((getattr(self.inner, "cfg", None), "seq"),
+                            (getattr(self.inner, "config", None), "max_position_embeddings")):
+            if isinstance(getattr(holder, key, None), int):
+                return getattr(holder, key)
+        return None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out = self.inner(idx)
+        if torch.is_tensor(out):
+            return out
+        for key in ("logits", "last_hidden_state"):  # HF ModelOutput
+            if getattr(out, key, None) is not None:
+                return getattr(out, key)
+        return out[0]
+
+    def repeat(self) -> dict:
+        """The repeated blocks: the list holding them, their class, and whether they are alike
+        (one list, one class, the same parameter names, shapes and dtypes in every block), so
+        that a block adds the same to every figure wherever it sits."""
+        if not self.block_names:
+            return {"list": None, "class": None, "alike": False}
+        lists = {n.rpartition(".")[0] for n in self.block_names}
+        blocks = [self.inner.get_submodule(n) for n in self.block_names]
+        shapes = {(type(b), tuple((k, tuple(p.shape), p.dtype, p.requires_grad)
+                                  for k, p in b.named_parameters())) for b in blocks}
+        return {"list": ", ".join(sorted(lists)) or "(the model)",
+                "class": ", ".join(sorted({type(b).__name__ for b in blocks})),
+                "alike": len(lists) == 1 and len(shapes) == 1}
+
+    def keep_blocks(self, k: int) -> None:
+        """Cut the (one) list of blocks to its first ``k``: the model ``k`` blocks deep."""
+        parent = self.block_names[0].rpartition(".")[0]
+        holder = self.inner.get_submodule(parent) if parent else self.inner
+        kept = list(holder.children())[:k]
+        if isinstance(holder, nn.ModuleDict):
+            keys = list(holder.keys())[:k]
+            new = nn.ModuleDict(dict(zip(keys, kept)))
+        else:
+            new = type(holder)(kept) if isinstance(holder, nn.Sequential) else nn.ModuleList(kept)
+        grand, _, attr = parent.rpartition(".")
+        setattr(self.inner.get_submodule(grand) if grand else self.inner, attr, new)
+        config = getattr(self.inner, "config", None)  # HF: some forwards slice by the config
+        if config is not None and getattr(config, "num_hidden_layers", None) is not None:
+            try:
+                config.num_hidden_layers = k
+            except (AttributeError, ValueError):
+                pass
+        self.block_names = repeated_blocks(self.inner)
+
+    def units(self) -> list[nn.Module]:
+        return [*(self.inner.get_submodule(n) for n in self.block_names), self]
+
+    def batch(self, batch: int, generator: torch.Generator, seq: int | None = None):
+        seq = seq or getattr(self, "seq", 128)
+        idx = torch.randint(0, self.vocab, (batch, seq + 1), generator=generator)
+        return idx[:, :-1], idx[:, 1:]
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if out.shape[-1] == self.vocab:
+            return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+        return out.float().square().mean()
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The names of the model's repeated blocks: the children of every ``ModuleList``,
+    ``ModuleDict`` or ``Sequential`` whose children (two or more) are all of one class and
+    hold parameters; outermost first, so an MoE's experts inside a block stay in the block."""
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        kids = list(m.named_children())
+        if len(kids) < 2 or len({type(k) for _, k in kids}) != 1:
+            continue
+        if not all(any(True for _ in k.parameters()) for _, k in kids):
+            continue
+        if any(name.startswith(f + ".") for f in found):
+            continue  # inside a block already found
+        found += [f"{name}.{k}" if name else k for k, _ in kids]
+    return found
+
+
+@contextlib.contextmanager
+def fake_safe():
+    """transformers' Mixture-of-Experts layers multiply by torch's grouped matmul, whose fake
+    (meta) kernel takes bf16 only, and otherwise by a loop over the experts that reads the
+    routing's values (impossible on fake tensors). Here, for other dtypes, they take
+    transformers' own fallback operator, which has a fake kernel of the same output shapes."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    can = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda x, w, offs: w.dtype == torch.bfloat16 and can(x, w, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = can
+
+
+def build(spec: str, checkpoint: bool = False) -> Planned:
+    """Build MODEL (see the module docstring) on the current device; raise ``PlanError`` with
+    the fix when it cannot be built."""
+    if os.path.isdir(spec) or spec.endswith(".json") or os.path.isfile(spec):
+        inner, vocab = _hf(spec)
+    elif ":" in spec:
+        inner, vocab = _callable(spec)
+    else:
+        raise PlanError(f"--model {spec!r}: no such file, and not package.module:callable; give "
+                        f"a Hugging Face config.json path (or its folder), or a function returning "
+                        f"an nn.Module as package.module:callable")
+    return Planned(inner, vocab, checkpoint)
+
+
+def _hf(path: str):
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise PlanError(f"--model {path}: no such file; pass a Hugging Face config.json (or the "
+                        f"folder holding one), or package.module:callable")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanError(f"--model {path}: not a readable JSON config ({e}); pass a Hugging Face "
+                        f"config.json (the file next to a model's weights)") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise PlanError(f"--model {path}: a JSON file without \"model_type\" is not a Hugging "
+                        f"Face model config; pass the model's config.json")
+    try:
+        import transformers
+    except ImportError:
+        raise PlanError(f"--model {path}: building a model from a Hugging Face config needs "
+                        f"transformers: pip install transformers") from None
+    try:
+        config = transformers.AutoConfig.for_model(**raw)
+    except Exception as e:  # noqa: BLE001 (transformers' validation raises many kinds)
+        raise PlanError(f"--model {path}: transformers {transformers.__version__} cannot read "
+                        f"this config ({e}); check model_type, or upgrade transformers") from None
+    classes = [getattr(transformers, a, None) for a in raw.get("architectures") or []]
+    classes += [transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM,
+                transformers.AutoModel]
+    last = None
+    for cls in filter(None, classes):
+        try:
+            build = cls._from_config if hasattr(cls, "_from_config") else cls.from_config
+            return build(config), config.get_text_config().vocab_size
+        except Exception as e:  # transformers' code on the user's config: say what it said
+            last = e
+    raise PlanError(f"--model {path}: transformers {transformers.__version__} could not build a "
+                    f"model from it ({type(last).__name__}: {last}); check the config's fields "
+                    f"against the model's documentation")
+
+
+def _callable(spec: str):
+    modname, _, fname = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(modname), fname)
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raised
+        raise PlanError(f"--model {spec}: cannot import it ({e}); write package.module:callable "
+                        f"with the module on PYTHONPATH, the callable returning an nn.Module "
+                        f"that takes token ids (batch, seq)") from None
+    try:
+        model = fn()
+    except Exception as e:  # the user's code: whatever it raised, say where
+        raise PlanError(f"--model {spec}: calling it raised {type(e).__name__}: {e}; it must "
+                        f"build the model with no arguments") from None
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"--model {spec}: it returned {type(model).__name__}, not an "
+                        f"nn.Module; return the model itself")
+    vocab = getattr(getattr(model, "cfg", None), "vocab", None) or getattr(model, "vocab", None)
+    if vocab is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if emb is None:
+            raise PlanError(f"--model {spec}: no nn.Embedding and no .vocab: the plan feeds "
+                            f"token ids; give the model a .vocab attribute")
+        vocab = emb.num_embeddings
+    return model, vocab
+
+
+def gpt_7_5b() -> nn.Module:
+    """The ZeRO paper's Table 1 model size: a GPT of 7.46e9 parameters (36 blocks of 4096)."""
+    from zerolab.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=50304, seq=1024, dim=4096, layers=36, heads=32))
+
+
+def gpt_small() -> nn.Module:
+    """compare_stages.py's default GPT (4 blocks of 128, vocabulary 512)."""
+    from zerolab.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=512, seq=64, dim=128, layers=4, heads=4))
+
+
+def gpt_deep() -> nn.Module:
+    """A narrow GPT of 8 blocks: deeper than the 4 the plan simulates before it extends."""
+    from zerolab.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=512, seq=64, dim=64, layers=8, heads=4))
