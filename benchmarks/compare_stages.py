@@ -4,6 +4,8 @@ per-rank memory by category, bytes sent per step, and step time, beside the ZeRO
     python benchmarks/compare_stages.py              # small GPT, 2 CPU ranks (gloo), ~1 min
     python benchmarks/compare_stages.py --sweep      # 3 sizes x world sizes 1, 2, 4
     torchrun --nproc-per-node 8 benchmarks/compare_stages.py --device cuda   # NCCL
+    python benchmarks/compare_stages.py --model benchmarks/configs/tiny-llama.json --json m.json
+                                                     # any model, beside the plan's prediction
 
 Every system trains the same model from the same seed on the same data with AdamW. Memory
 is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zerolab.trackers.ZeroMemTracker for
@@ -96,6 +98,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "elements": sum(comm.elements.values()),
         "unaccounted": dict(comm.unknown),
         "ledger": ledger.sent_bytes(),
+        "agreements": ledger.sent_bytes("agree"),
         "buffers": {op: sum(r.buffer_bytes for r in ledger.select(op)) for op in
                     ("all_gather", "reduce_scatter")},
         "counts": {op: ledger.count(op) for op in ("all_gather", "reduce_scatter", "all_reduce")},
@@ -132,6 +135,12 @@ def _schedule(kind, system, n, args) -> dict:
 
 
 def make_model(args) -> torch.nn.Module:
+    if args.model:  # the plan's reading of MODEL: its blocks as units, token ids as the batch
+        from zerolab.planmodel import build
+
+        model = build(args.model)
+        model.seq = args.seq
+        return model
     if args.frozen:
         return LoRAStack(dim=args.dim, blocks=args.layers, rank=LORA_RANK)
     return GPT(GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=HEADS))
@@ -186,9 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=positive_int, default=BATCH, help="per rank")
     p.add_argument("--steps", type=int_in(0, MAX_STEPS), default=STEPS,
                    help=f"timed steps (after warm-up), at most {MAX_STEPS}")
-    p.add_argument("--systems", type=comma_list(KINDS + FAMILY), default=list(KINDS),
-                   help=f"comma list of {KINDS} (the default), or of the rest of the ZeRO family "
-                        f"{FAMILY}")
+    p.add_argument("--systems", type=comma_list(KINDS + FAMILY), default=None,
+                   help=f"comma list of {KINDS} (the default; with --model, those the plan "
+                        f"predicts), or of the rest of the ZeRO family {FAMILY}")
     p.add_argument("--mixed-precision", action="store_true",
                    help="bf16 compute, fp32 reduce (ours and FSDP2; DDP stays fp32)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -196,6 +205,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=output_file, default=None,
                    help="results file (default benchmarks/results/...)")
     p.add_argument("--sweep", action="store_true", help="memory and bytes vs model size and N")
+    p.add_argument("--model", default=None,
+                   help="instead of the GPT: a Hugging Face config.json or package.module:callable "
+                        "(as python -m zero plan takes it), measured beside the plan's prediction")
+    p.add_argument("--json", default=None, metavar="FILE", type=output_file,
+                   help="one object per system: system, model_state_bytes_per_rank, "
+                        "peak_bytes_per_rank, bytes_sent_per_rank_per_step (and the plan's)")
     p.add_argument("--frozen", action="store_true",
                    help="fine-tuning: blocks of a frozen base and a trainable low-rank adapter "
                         f"(LoRA, rank {LORA_RANK}), AdamW on the adapters")
@@ -208,6 +223,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our stages' shard layout (notes/16-layouts.md; benchmarks/layouts.py "
                         "compares the three)")
     args = p.parse_args(argv)
+    if args.model and (args.sweep or args.frozen):
+        p.error("--model measures that model alone: leave out --sweep and --frozen")
+    if args.systems is None:
+        from zerolab.plan import SYSTEMS
+
+        args.systems = list(SYSTEMS if args.model else KINDS)
     args.kinds = args.systems
     args.layers = args.layers or (FROZEN_LAYERS if args.frozen else LAYERS)
     args.dim = args.dim or (FROZEN_DIM if args.frozen else DIM)
@@ -228,6 +249,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--device cuda: {missing} (torch {torch.__version__}); the GPU path runs one "
                     f"rank per GPU under torchrun with NCCL: torchrun --nproc-per-node <GPUs> "
                     f"benchmarks/compare_stages.py --device cuda")
+    if args.model:
+        from zerolab.planmodel import PlanError, build
+
+        try:
+            with torch.device("meta"):
+                args.model_psi = sum(q.numel() for q in build(args.model).parameters())
+                args.model_vocab = build(args.model).vocab
+        except PlanError as e:
+            p.error(str(e))
     if args.device == "cpu" and not args.sweep and (why := too_big(args)):
         p.error(why)
     return args
@@ -247,10 +277,11 @@ def too_big(args) -> str | None:
     the machine swaps."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))  # torchrun's, or ours
     n = int(os.environ.get("WORLD_SIZE", args.world_size))
-    psi = gpt_params(VOCAB, args.seq, args.dim, args.layers)
+    psi = getattr(args, "model_psi", None) or gpt_params(VOCAB, args.seq, args.dim, args.layers)
+    vocab = getattr(args, "model_vocab", VOCAB)
     states = max(min(model_state_bytes(psi, n, PAPER_STAGE[k], mp) for mp in (False, True))
                  for k in args.kinds)
-    need = local * (states + 4 * args.batch * args.seq * VOCAB)
+    need = local * (states + 4 * args.batch * args.seq * vocab)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need <= have:
         return None
@@ -266,12 +297,72 @@ def main(argv=None) -> None:
         args.world_size = dist.get_world_size()
     lead = not dist.is_initialized() or dist.get_rank() == 0
     rows = sweep(args, lead) if args.sweep else compare(args, lead)
+    if lead and args.model and not dist.is_initialized():
+        args.extra = beside_the_plan(rows, args)
     if lead:
         command = ["benchmarks/compare_stages.py", *(sys.argv[1:] if argv is None else argv)]
         report.write(rows, args, command, PAPER_STAGE)
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(getattr(args, "json_rows", None) or [measured(r) for r in rows], f,
+                          indent=1)
     if "RANK" in os.environ:  # leave together, and tear the group down before Python exits
         dist.barrier()
         dist.destroy_process_group()
+
+
+def measured(r: dict) -> dict:
+    """A measured row in the plan's terms (its JSON keys)."""
+    return {"system": r["kind"], "model_state_bytes_per_rank": r["model_states_peak"],
+            "peak_bytes_per_rank": r["memory"].get("Total", 0),
+            "bytes_sent_per_rank_per_step": sum(r["sent"].values()),
+            # ours: the ledger, less the ranks' agreements (a fake group, the plan's, skips them)
+            "ledger_bytes_per_rank_per_step": r["ledger"] if r["kind"].startswith("zero") else None,
+            "agreement_bytes_per_rank_per_step": r["agreements"] if r["kind"].startswith("zero")
+            else None}
+
+
+def beside_the_plan(rows: list[dict], args) -> list[str]:
+    """The plan's prediction for the same model, ranks, batch and precision, beside each
+    measured figure (their ratio); with --json, both, one object per system."""
+    from zerolab.plan import FAMILY as PLANNED_FAMILY, SYSTEMS as PLANNED, predict
+
+    kinds = [r["kind"] for r in rows if r["kind"] in PLANNED + PLANNED_FAMILY]
+    predicted = {r["system"]: r for r in predict(args.model, kinds,
+                                                 args.world_size, args.batch, args.seq,
+                                                 args.mixed_precision)}
+    out = ["", "## Beside the plan (python -m zero plan, the same model on fake ranks)", "",
+           "MiB per rank; bytes sent per rank per step (CommDebugMode's count, ring accounting); "
+           "predicted / measured. Ledger: for ours, the measured ledger less the ranks' "
+           "agreements (a few bytes a step that the fake group of the plan does not issue), "
+           "and whether it equals the prediction.", "",
+           "| system | model states: measured | predicted | ratio | peak: measured | predicted "
+           "| ratio | bytes sent: measured | predicted | ratio | ledger less agreements |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    both = []
+    for r in rows:
+        m, p = measured(r), predicted.get(r["kind"])
+        if p is None:
+            continue
+        cells = []
+        for key, unit in (("model_state_bytes_per_rank", 2**20), ("peak_bytes_per_rank", 2**20),
+                          ("bytes_sent_per_rank_per_step", 1)):
+            fmt = (lambda v: f"{v / unit:.3f}") if unit > 1 else (lambda v: f"{v:,}")  # noqa: E731
+            ratio = p[key] / m[key] if m[key] else float("nan")
+            cells += [fmt(m[key]), fmt(p[key]), f"{ratio:.4f}"]
+        if m["ledger_bytes_per_rank_per_step"] is not None:
+            ledger = m["ledger_bytes_per_rank_per_step"] - m["agreement_bytes_per_rank_per_step"]
+            cells.append(f"{ledger:,} ({'=' if ledger == p['bytes_sent_per_rank_per_step'] else '≠'})")
+        else:
+            cells.append("-")
+        out.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
+        both.append({**m, "predicted": {k: p[k] for k in (
+            "model_state_bytes_per_rank", "peak_bytes_per_rank", "bytes_sent_per_rank_per_step",
+            "predicted_step_s")}})
+    args.json_rows = both
+    return out
 
 
 def compare(args, lead: bool) -> list[dict]:

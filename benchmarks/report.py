@@ -180,6 +180,11 @@ def write(rows, args, argv, stage_of) -> None:
                      f"head; batch {args.batch} per rank, Ψ = {psi:,} parameters ({trainable:,} "
                      f"trainable); AdamW on the trainable ones, fp32. The paper columns assume "
                      f"every parameter trains: they do not apply here"]
+        elif getattr(args, "model", None):
+            head += [f"- model: {args.model} (built as python -m zero plan builds it: its "
+                     f"repeated blocks the units), seq {args.seq}, batch {args.batch} per rank, "
+                     f"Ψ = {psi:,} parameters; AdamW, "
+                     f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]
         else:
             head += [f"- model: GPT, {args.layers} layers, dim {args.dim}, seq {args.seq}, "
                      f"batch {args.batch} per rank, Ψ = {psi:,} parameters; AdamW, "
@@ -206,6 +211,7 @@ def write(rows, args, argv, stage_of) -> None:
                      "reduce-scatter inputs) as comm buffers, while ours are the parameter and "
                      "gradient storage itself: \"+ comm buffers\" compares the two alike.", "",
                      *targets]
+        body += getattr(args, "extra", [])
         body += ["", loss_check(rows)]
         for r in rows:
             if r.get("disk"):

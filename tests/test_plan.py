@@ -145,3 +145,43 @@ def test_plan_error_is_a_value_error():
     with pytest.raises(ValueError):
         build("no-such-thing")
     assert issubclass(PlanError, ValueError)
+
+
+def _compare_stages():
+    sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..",
+                                                  "benchmarks"))
+    import compare_stages
+
+    return compare_stages
+
+
+def test_compare_stages_reads_a_model_as_the_plan_does(capsys):
+    cs = _compare_stages()
+    args = cs.parse_args(["--model", f"{HERE}:deep", "--seq", "16", "--batch", "2"])
+    assert args.kinds == ["ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2"]
+    assert args.model_psi == sum(p.numel() for p in deep().parameters())
+    model = cs.make_model(args)
+    assert [type(u).__name__ for u in model.units()] == ["Block"] * 7 + ["Planned"]
+    with pytest.raises(SystemExit):
+        cs.parse_args(["--model", f"{HERE}:raises"])
+    assert "the config server is down" in capsys.readouterr().err
+
+
+@pytest.mark.full
+def test_measured_beside_predicted(tmp_path):
+    """Two real gloo ranks against the plan: model states within 1%, peak within 10%, and our
+    ledger (less the agreements a fake group skips) equal to the prediction."""
+    cs = _compare_stages()
+    out = tmp_path / "m.json"
+    cs.main(["--model", f"{HERE}:deep", "--seq", "16", "--batch", "2", "--no-time",
+             "--systems", "ddp,zero1,zero3,fsdp2", "--out", str(tmp_path / "r.md"),
+             "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["ddp", "zero1", "zero3", "fsdp2"]
+    for r in rows:
+        p = r["predicted"]
+        assert abs(p["model_state_bytes_per_rank"] / r["model_state_bytes_per_rank"] - 1) < 0.01
+        assert abs(p["peak_bytes_per_rank"] / r["peak_bytes_per_rank"] - 1) < 0.10
+        if r["ledger_bytes_per_rank_per_step"] is not None:
+            assert (r["ledger_bytes_per_rank_per_step"] - r["agreement_bytes_per_rank_per_step"]
+                    == p["bytes_sent_per_rank_per_step"])

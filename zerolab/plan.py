@@ -10,10 +10,11 @@ collective recorded but moving nothing. What it reports, per rank:
   (``zerolab.trackers``), on the second step (the optimizer state exists by then): the model
   states (parameters + gradients + optimizer state at their largest, units in flight
   included), and the peak of everything, activations and temporaries too;
-- bytes sent, with the ledger's ring accounting: our ``zero.Ledger`` for ours, torch's
+- bytes sent, with the ledger's ring accounting: our ``zero.Ledger`` for ours (with the
+  flags a fake group skips: see ``simulate``; not the ranks' few bytes of agreement), torch's
   collectives counted at the dispatcher (``zerolab.measure.CommBytes``) for FSDP2, and for DDP
   (whose reducer cannot run on fake tensors) an all-reduce of every fp32 gradient, in DDP's
-  buckets;
+  buckets, which its peak counts too (a flat copy of the gradients, held from wrapping on);
 - time: the collectives priced by ``zerolab.cost`` (alpha-beta rings, no overlap) plus the
   step's FLOPs (torch's ``FlopCounterMode``) at the preset's rated dense throughput
   (``zerolab.clusters``). Real steps reach 30-60% of a rated figure, and the model overlaps
@@ -298,6 +299,12 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
         calls, sent = comm.calls_list, comm.total()
     else:
         calls, sent = list(ledger.records), ledger.sent_bytes()
+        # A fake group skips what compares ranks: the "used" flags, one byte a parameter
+        # all-reduced at the end of every backward (zero/core/root.py), are added here by that
+        # rule; the agreements (zero/comm/agree.py, a few bytes) are left out
+        flags = sum(len(u.params) for u in zero.units_of(model))
+        calls.append(Call("all_reduce", flags, int(flags * 2 * (n - 1) / n), "world", n))
+        sent += calls[-1].sent_bytes
     return {"segments": seg.out, "depth": len(model.block_names), "sent": sent, "by_op": _by_op(calls), "calls": calls,
             "grad_bytes": grad_bytes, "flops": fc.get_total_flops() if flops else None}
 
@@ -352,9 +359,14 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
         row["paper_model_state_bytes_per_rank"] = sum(
             max(seg[k]["paper"].get(c, 0) for k in keys) for c in cats)
     if kind == "ddp":  # DDP's traffic: its buckets over the whole model's gradients
-        calls = ddp_calls(at(lambda r: r["grad_bytes"]), n)
+        grads = at(lambda r: r["grad_bytes"])
+        calls = ddp_calls(grads, n)
         row.update(bytes_sent_per_rank_per_step=sum(c.sent_bytes for c in calls),
                    bytes_by_op=_by_op(calls), comm_s_by_group=step_time(calls, cluster))
+        # and its memory: the buckets, a flat fp32 copy of every gradient that DDP allocates
+        # when it wraps the model (gradient_as_bucket_view=False, its default) and keeps
+        row["peak_bytes_per_rank"] += grads
+        row["peak_by_category"]["DDP buckets"] = grads
     return row
 
 
@@ -427,6 +439,17 @@ def plan(args) -> tuple[dict, list[dict]]:
             print(f"{kind}: simulated in {r['simulated_s']:.1f} s", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"]))
     return info, rows
+
+
+def predict(model: str, systems, world_size: int, batch: int, seq: int,
+            mixed_precision: bool = False, cluster: str = "dgx-h100") -> list[dict]:
+    """The plan's rows for these systems, as ``benchmarks/compare_stages.py --model`` asks."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", model, "--world-size", str(world_size), "--batch",
+                              str(batch), "--seq", str(seq), "--cluster", cluster])
+    args.mixed_precision, args.systems = mixed_precision, list(systems)
+    return plan(args)[1]
 
 
 def table(info: dict, rows: list[dict], args) -> list[str]:
