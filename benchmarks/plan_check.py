@@ -1,0 +1,109 @@
+"""The plan against measured runs: ``compare_stages.py --model`` for several architectures and
+world sizes, one results file with every predicted figure beside the measured one.
+
+    python benchmarks/plan_check.py                  # 4 models x N = 2, 4 on CPU ranks, ~5 min
+    python benchmarks/plan_check.py --world-sizes 2 --models benchmarks/configs/tiny-bert.json
+
+The targets (notes/19-plan.md): model states within 1% of the measured, peak within 10%,
+and our ledger's bytes (less the ranks' agreements, which a fake group does not issue) equal
+to the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_stages  # noqa: E402
+import report  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = [os.path.relpath(os.path.join(HERE, "configs", f), os.getcwd())
+          for f in ("tiny-llama.json", "tiny-mixtral.json", "tiny-bert.json")]
+MODELS.append("zerolab.planmodel:gpt_deep")
+
+
+def run(model: str, n: int, extra: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "m.json")
+        with contextlib.redirect_stdout(io.StringIO()):
+            compare_stages.main(["--model", model, "--world-size", str(n), "--no-time",
+                                 "--out", os.path.join(tmp, "r.md"), "--json", out, *extra])
+        return json.load(open(out))
+
+
+def lines_for(model: str, n: int, rows: list[dict]) -> tuple[list[str], list[tuple]]:
+    out = [f"### {model}, N = {n}", "",
+           "| system | model states MiB: measured / predicted (ratio) | peak MiB: measured / "
+           "predicted (ratio) | bytes sent: measured / predicted | ledger less agreements |",
+           "|---|---|---|---|---|"]
+    errors = []
+    for r in rows:
+        p = r["predicted"]
+        s = p["model_state_bytes_per_rank"] / r["model_state_bytes_per_rank"]
+        k = p["peak_bytes_per_rank"] / r["peak_bytes_per_rank"]
+        ledger = "-"
+        equal = None
+        if r["ledger_bytes_per_rank_per_step"] is not None:
+            less = r["ledger_bytes_per_rank_per_step"] - r["agreement_bytes_per_rank_per_step"]
+            equal = less == p["bytes_sent_per_rank_per_step"]
+            ledger = f"{less:,} ({'equal' if equal else 'differs'})"
+        out.append(f"| {r['system']} | {r['model_state_bytes_per_rank'] / 2**20:.3f} / "
+                   f"{p['model_state_bytes_per_rank'] / 2**20:.3f} ({s:.4f}) | "
+                   f"{r['peak_bytes_per_rank'] / 2**20:.3f} / {p['peak_bytes_per_rank'] / 2**20:.3f} "
+                   f"({k:.4f}) | {r['bytes_sent_per_rank_per_step']:,} / "
+                   f"{p['bytes_sent_per_rank_per_step']:,} | {ledger} |")
+        errors.append((r["system"], s, k, equal))
+    return out + [""], errors
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--mixed-precision", action="store_true")
+    p.add_argument("--out", default=None, help="default benchmarks/results/<date>-<machine>-plan.md")
+    args = p.parse_args(argv)
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(HERE, "results", f"{date}-{report.machine()}-plan.md")
+    extra = ["--mixed-precision"] if args.mixed_precision else []
+    body, every = [], []
+    for model in args.models.split(","):
+        for n in map(int, args.world_sizes.split(",")):
+            start = time.monotonic()
+            lines, errors = lines_for(model, n, run(model, n, extra))
+            body += lines
+            every += errors
+            print(f"{model} N={n}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    worst_s = max(abs(s - 1) for _, s, _, _ in every)
+    worst_k = max(abs(k - 1) for _, _, k, _ in every)
+    ours = [e for *_, e in every if e is not None]
+    head = [f"# The plan against measured runs, {date}", "",
+            f"- machine: {report.machine()} ({report.cpu_name()}), CPU ranks (gloo)",
+            f"- torch {torch.__version__}",
+            f"- command: `python benchmarks/plan_check.py {' '.join(argv or sys.argv[1:])}`",
+            f"- each run: `compare_stages.py --model MODEL --world-size N --no-time` "
+            f"(batch {compare_stages.BATCH} x seq {compare_stages.SEQ} per rank, AdamW, "
+            f"{'bf16 / fp32 reduce' if args.mixed_precision else 'fp32'})", "",
+            f"Over {len(every)} rows: model states within {100 * worst_s:.3f}% of measured, "
+            f"peak within {100 * worst_k:.2f}%; our ledger less agreements equals the "
+            f"prediction in {sum(ours)} of {len(ours)} rows.", ""]
+    text = "\n".join(head + body)
+    print(text)
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
