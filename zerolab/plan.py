@@ -299,13 +299,12 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
         calls, sent = comm.calls_list, comm.total()
     else:
         calls, sent = list(ledger.records), ledger.sent_bytes()
-        # A fake group skips what compares ranks: the "used" flags, one byte a parameter
-        # all-reduced at the end of every backward (zero/core/root.py), are added here by that
-        # rule; the agreements (zero/comm/agree.py, a few bytes) are left out
-        flags = sum(len(u.params) for u in zero.units_of(model))
-        calls.append(Call("all_reduce", flags, int(flags * 2 * (n - 1) / n), "world", n))
-        sent += calls[-1].sent_bytes
-    return {"segments": seg.out, "depth": len(model.block_names), "sent": sent, "by_op": _by_op(calls), "calls": calls,
+    # A fake group skips what compares ranks: our "used" flags, one byte a parameter
+    # all-reduced at the end of every backward (zero/core/root.py), are added by that rule
+    # (in _row); the agreements (zero/comm/agree.py, a few bytes) are left out
+    flags = sum(len(u.params) for u in zero.units_of(model)) if kind.startswith("zero") else None
+    return {"flags": flags, "segments": seg.out, "depth": len(model.block_names), "sent": sent,
+            "by_op": _by_op(calls), "calls": calls,
             "grad_bytes": grad_bytes, "flops": fc.get_total_flops() if flops else None}
 
 
@@ -358,6 +357,13 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
         cats = {c for k in keys for c in seg[k]["paper"]}
         row["paper_model_state_bytes_per_rank"] = sum(
             max(seg[k]["paper"].get(c, 0) for k in keys) for c in cats)
+    if runs[0]["flags"] is not None:  # our "used" flags (see simulate), from the whole model
+        flags = at(lambda r: r["flags"])
+        call = Call("all_reduce", flags, int(flags * 2 * (n - 1) / n), "world", n)
+        row["bytes_sent_per_rank_per_step"] += call.sent_bytes
+        row["bytes_by_op"]["all_reduce"] = row["bytes_by_op"].get("all_reduce", 0) + call.sent_bytes
+        for group, t in step_time([call], cluster).items():
+            row["comm_s_by_group"][group] = row["comm_s_by_group"].get(group, 0.0) + t
     if kind == "ddp":  # DDP's traffic: its buckets over the whole model's gradients
         grads = at(lambda r: r["grad_bytes"])
         calls = ddp_calls(grads, n)
