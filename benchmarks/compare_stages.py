@@ -4,8 +4,6 @@ per-rank memory by category, bytes sent per step, and step time, beside the ZeRO
     python benchmarks/compare_stages.py              # small GPT, 2 CPU ranks (gloo), ~1 min
     python benchmarks/compare_stages.py --sweep      # 3 sizes x world sizes 1, 2, 4
     torchrun --nproc-per-node 8 benchmarks/compare_stages.py --device cuda   # NCCL
-    python benchmarks/compare_stages.py --model benchmarks/configs/tiny-llama.json --json m.json
-                                                     # any model, beside the plan's prediction
 
 Every system trains the same model from the same seed on the same data with AdamW. Memory
 is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zerolab.trackers.ZeroMemTracker for
