@@ -201,3 +201,18 @@ def test_table1_at_64_ranks(tmp_path):
     for kind, paper in (("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)):
         ours = rows[kind]["paper_model_state_bytes_per_rank"] / 1e9
         assert abs(ours / paper - 1) < 0.015, (kind, ours, paper)
+
+
+@pytest.mark.full
+def test_the_family_on_two_nodes(tmp_path):
+    """--systems all on 2 nodes of 8: HSDP, hpZ, qwZ and qgZ are planned too, and their figures
+    move against ZeRO-3's the way each is meant to."""
+    rows = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems", "all",
+                     "--mixed-precision", n=16)
+    assert set(rows) == {"ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2",
+                         "zero3-hsdp", "zero3-hpz", "zero3-qwz", "zero3-qgz"}
+    z3 = rows["zero3"]["bytes_sent_per_rank_per_step"]
+    assert rows["zero3-qwz"]["bytes_sent_per_rank_per_step"] < z3  # int8 weights
+    assert rows["zero3-qgz"]["bytes_sent_per_rank_per_step"] < z3  # 4-bit gradients
+    # HSDP shards over 8 ranks, not 16: more model states a rank than ZeRO-3
+    assert rows["zero3-hsdp"]["model_state_bytes_per_rank"] > rows["zero3"]["model_state_bytes_per_rank"]

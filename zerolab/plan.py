@@ -1,7 +1,7 @@
 """``python -m zero plan``: which system does *my* model need on *my* cluster, and what will it cost?
 
 For each system (DDP, ZeRO-1/2/3, FSDP2 with and without resharding; with ``--systems`` also
-HSDP, hpZ, CPU offload, qwZ and qgZ) the plan trains one step of rank 0 of a *fake* process
+our stage 3 as HSDP, with hpZ, qwZ or qgZ) the plan trains one step of rank 0 of a *fake* process
 group of N ranks under ``FakeTensorMode``: the real ``zero.shard`` (or torch's
 ``fully_shard``) on the real model, every tensor a shape and a dtype without memory, every
 collective recorded but moving nothing. What it reports, per rank:
@@ -54,7 +54,9 @@ from zerolab.trackers import (MODEL_STATES, PeakFSDPMemTracker, PeakMemTracker,
                               ZeroMemTracker)
 
 SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
-FAMILY = ("zero3-hsdp", "zero3-hpz", "zero3-offload", "zero3-qwz", "zero3-qgz")
+# (not CPU offload: on fake CPU tensors the host and the device are one memory, and the plan
+# would count the offloaded state as the device's)
+FAMILY = ("zero3-hsdp", "zero3-hpz", "zero3-qwz", "zero3-qgz")
 MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 # The simulation's bounds. Fake tensors cost per operation, not per byte: a module holding
 # parameters costs about 20 ms per system on 2 cores whatever its width (a 70B Llama's 80
@@ -123,8 +125,6 @@ def _meshes(kind: str, n: int, gpus_per_node: int) -> dict:
                                 mesh_dim_names=("replicate", "shard"))
         return {"zero3-hsdp": {"mesh": mesh}, "zero3-hpz": {"secondary_group": mesh.get_group(1)},
                 "zero3-qgz": {"comm_policy": zero.QuantizedGradients(mesh)}}[kind]
-    if kind == "zero3-offload":
-        return {"offload_policy": zero.CPUOffload(pin_memory=False)}
     if kind == "zero3-qwz":
         return {"comm_policy": zero.QuantizedWeights()}
     return {}
