@@ -25,6 +25,11 @@ def deep() -> nn.Module:
     return GPT(GPTConfig(vocab=64, seq=16, dim=32, layers=7, heads=4))
 
 
+def shallow() -> nn.Module:
+    """3 blocks: simulated whole, once a system (no deeper than the plan's samples)."""
+    return GPT(GPTConfig(vocab=64, seq=16, dim=32, layers=3, heads=4))
+
+
 def raises() -> nn.Module:
     raise RuntimeError("the config server is down")
 
@@ -76,7 +81,10 @@ def test_extended_from_3_and_4_blocks_equals_every_block_simulated(tmp_path, cap
 
 
 def test_the_figures_follow_the_papers_arithmetic(tmp_path):
-    rows = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems=ddp,zero1,zero3")
+    png = tmp_path / "plan.png"
+    rows = plan_json(tmp_path, "--model", f"{HERE}:shallow", "--systems=ddp,zero1,zero3",
+                     "--plot", str(png))
+    assert png.stat().st_size > 10_000
     psi, n = rows["ddp"]["params"], 4
     # DDP: every fp32 gradient all-reduced once, 2(N-1)/N of it sent
     assert rows["ddp"]["bytes_sent_per_rank_per_step"] == 2 * 4 * psi * (n - 1) // n

@@ -508,6 +508,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list of {SYSTEMS + FAMILY}, or 'all'")
     p.add_argument("--json", default=None, metavar="FILE", help="one object per system")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="model states and peak per system against the device's memory")
     p.add_argument("--verbose", action="store_true", help="each system's simulation time")
 
 
@@ -529,3 +531,31 @@ def run(args, parser: argparse.ArgumentParser) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"params": info["params"], **r} for r in rows], f, indent=1)
+    if args.plot:
+        plot(rows, args, args.plot)
+
+
+def plot(rows: list[dict], args, path: str) -> None:
+    """Two bars a system (model states, peak), GB, and the device's memory as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    memory = preset(args.cluster, args.memory_gb, args.tflops, args.intra_gbs, args.inter_gbs,
+                    args.gpus_per_node).memory_bytes / 1e9
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 3, 4))
+    ax.bar([i - 0.2 for i in x], [r["model_state_bytes_per_rank"] / 1e9 for r in rows], 0.4,
+           label="model states")
+    ax.bar([i + 0.2 for i in x], [r["peak_bytes_per_rank"] / 1e9 for r in rows], 0.4,
+           label="peak")
+    ax.axhline(memory, color="k", linestyle="--", label=f"device memory ({memory:g} GB)")
+    ax.set_xticks(list(x), [f"{r['system']}\n{r['predicted_step_s']:.3g} s" for r in rows],
+                  fontsize=8)
+    ax.set_ylabel("GB per rank")
+    ax.set_title(f"{args.model}, {args.world_size} ranks (step time: no overlap)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
