@@ -24,10 +24,10 @@ The units are the model's repeated blocks (``zerolab.planmodel.repeated_blocks``
 of a ``ModuleList`` that are all of one class), each one unit, and the root holding the rest.
 When the blocks are alike (one list, every block the same parameter shapes) the plan runs the
 model cut to 3 and to 4 blocks and extends each figure along the line through the two: a
-block adds the same bytes, collectives and FLOPs wherever it sits. Each phase of the step
-(forward, backward, optimizer step) is extended on its own and the largest taken, since the
-phase holding the peak can change with depth. ``--exact`` runs every block instead
-(``notes/19-plan.md`` compares the two).
+block adds the same bytes, collectives and FLOPs wherever it sits. Memory is a maximum, not
+a sum, so the step is cut into pieces where each block begins (``_Segments``), each piece is
+extended on its own (the first two blocks', the last two's, those outside the blocks) and the
+largest taken. ``--exact`` runs every block instead (``notes/19-plan.md`` compares the two).
 
     python -m zero plan --model benchmarks/configs/llama-3-8b.json --world-size 64 \\
         --cluster dgx-h100 --mixed-precision --batch 1 --seq 4096 --json plan.json
