@@ -70,11 +70,13 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    buckets = _record_ddp_buckets(system.model) if kind.startswith("ddp") else {}
     for i in range(WARMUP):
         step(i)
+    buckets.clear()  # DDP rebuilds its buckets in the second step: keep those it uses now
     with CommBytes(n) as comm, zero.Ledger() as ledger:  # traffic: one step
         step(WARMUP)
-    with _tracker(kind, system) as mem:  # memory: one step (trackers slow a step down)
+    with _tracker(kind, system, buckets.values()) as mem:  # memory: one step (trackers slow a step down)
         step(WARMUP + 1)
     times = []
     for i in range(WARMUP + 2, WARMUP + 2 + (args.steps if not args.no_time else 0)):
@@ -144,14 +146,31 @@ def make_model(args) -> torch.nn.Module:
     return GPT(GPTConfig(vocab=VOCAB, seq=args.seq, dim=args.dim, layers=args.layers, heads=HEADS))
 
 
-def _tracker(kind, system):
+def _record_ddp_buckets(ddp) -> dict:
+    """DDP's flat gradient buckets, as its reducer hands them to a communication hook that then
+    all-reduces them as DDP's own does (divide by N, sum). The reducer allocates them in C++ when
+    it wraps the model and MemTracker learns of a bucket only when a gradient is first copied
+    into it, mid-backward, so a peak before that would be measured without the buckets."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buckets = {}
+
+    def recording_allreduce(group, bucket):
+        buckets[bucket.index()] = bucket.buffer()
+        return allreduce_hook(group, bucket)
+
+    ddp.register_comm_hook(None, recording_allreduce)
+    return buckets
+
+
+def _tracker(kind, system, buckets=()):
     if kind.startswith("zero"):
         return ZeroMemTracker(system.model, system.opt)
     if kind.startswith("fsdp2"):
         return PeakFSDPMemTracker(system.model, system.opt)
     mt = PeakMemTracker()
     # ZeroRedundancyOptimizer keeps this rank's state in the optimizer it wraps
-    mt.track_external(system.model, getattr(system.opt, "optim", system.opt))
+    mt.track_external(system.model, getattr(system.opt, "optim", system.opt), *buckets)
     return mt
 
 

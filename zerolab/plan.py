@@ -104,9 +104,13 @@ class _FSDPTracker(_NoModuleStats, PeakFSDPMemTracker):
     pass
 
 
-def ddp_calls(grad_bytes: int, n: int) -> list[Call]:
-    """DDP's all-reduces: every gradient once, in buckets (sizes as its reducer makes them)."""
-    calls, left, cap = [], grad_bytes, DDP_BUCKETS[0]
+def ddp_calls(grad_bytes: int, n: int, buffer_bytes: dict[str, int] | None = None) -> list[Call]:
+    """DDP's all-reduces: every gradient once, in buckets (sizes as its reducer makes them);
+    and, before each forward, rank 0's module buffers broadcast to the others, flattened one
+    dtype at a time (``broadcast_buffers=True``, its default)."""
+    calls = [Call("broadcast", b, int(b * (n - 1) / n), "world", n)
+             for b in (buffer_bytes or {}).values() if b]
+    left, cap = grad_bytes, DDP_BUCKETS[0]
     while left > 0:
         b = min(cap, left)
         calls.append(Call("all_reduce", b, int(2 * b * (n - 1) / n), "world", n))
@@ -290,10 +294,13 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
                 seg.cut(None)
                 seg.remove()
         grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        buffer_bytes: dict[str, int] = {}
+        for b in model.buffers():
+            buffer_bytes[str(b.dtype)] = buffer_bytes.get(str(b.dtype), 0) + b.nbytes
     finally:
         dist.destroy_process_group()
     if kind == "ddp":
-        calls = ddp_calls(grad_bytes, n)
+        calls = ddp_calls(grad_bytes, n, buffer_bytes)
         sent = sum(c.sent_bytes for c in calls)
     elif kind.startswith("fsdp2"):
         calls, sent = comm.calls_list, comm.total()
@@ -305,7 +312,7 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
     flags = sum(len(u.params) for u in zero.units_of(model)) if kind.startswith("zero") else None
     return {"flags": flags, "segments": seg.out, "depth": len(model.block_names), "sent": sent,
             "by_op": _by_op(calls), "calls": calls,
-            "grad_bytes": grad_bytes, "flops": fc.get_total_flops() if flops else None}
+            "grad_bytes": grad_bytes, "buffer_bytes": buffer_bytes, "flops": fc.get_total_flops() if flops else None}
 
 
 class _Nothing:
@@ -366,7 +373,7 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
             row["comm_s_by_group"][group] = row["comm_s_by_group"].get(group, 0.0) + t
     if kind == "ddp":  # DDP's traffic: its buckets over the whole model's gradients
         grads = at(lambda r: r["grad_bytes"])
-        calls = ddp_calls(grads, n)
+        calls = ddp_calls(grads, n, at(lambda r: r["buffer_bytes"]))
         row.update(bytes_sent_per_rank_per_step=sum(c.sent_bytes for c in calls),
                    bytes_by_op=_by_op(calls), comm_s_by_group=step_time(calls, cluster))
         # and its memory: the buckets, a flat fp32 copy of every gradient that DDP allocates
