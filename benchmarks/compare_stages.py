@@ -138,7 +138,7 @@ def make_model(args) -> torch.nn.Module:
     if args.model:  # the plan's reading of MODEL: its blocks as units, token ids as the batch
         from zerolab.planmodel import build
 
-        model = build(args.model)
+        model = build(args.model, seq=args.seq, wrap=args.wrap_policy)
         model.seq = args.seq
         return model
     if args.frozen:
@@ -223,8 +223,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="results file (default benchmarks/results/...)")
     p.add_argument("--sweep", action="store_true", help="memory and bytes vs model size and N")
     p.add_argument("--model", default=None,
-                   help="instead of the GPT: a Hugging Face config.json or package.module:callable "
-                        "(as python -m zero plan takes it), measured beside the plan's prediction")
+                   help="instead of the GPT: a Hugging Face config.json, torchtitan:NAME:FLAVOR or "
+                        "package.module:callable (as python -m zero plan takes it), measured "
+                        "beside the plan's prediction")
+    p.add_argument("--wrap-policy", default=None, metavar="POLICY",
+                   help="with --model: units by an FSDP1 auto-wrap policy, as python -m zero plan "
+                        "takes it (transformer:Class[,Class] or size:N)")
     p.add_argument("--json", default=None, metavar="FILE", type=output_file,
                    help="one object per system: system, model_state_bytes_per_rank, "
                         "peak_bytes_per_rank, bytes_sent_per_rank_per_step (and the plan's)")
@@ -266,13 +270,18 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--device cuda: {missing} (torch {torch.__version__}); the GPU path runs one "
                     f"rank per GPU under torchrun with NCCL: torchrun --nproc-per-node <GPUs> "
                     f"benchmarks/compare_stages.py --device cuda")
+    if args.wrap_policy and (not args.model or args.wrap != "units"):
+        p.error("--wrap-policy gives every system the units of a --model; it goes with --model "
+                "and without --wrap (which re-wraps ours only)")
     if args.model:
         from zerolab.planmodel import PlanError, build
 
         try:
             with torch.device("meta"):
-                args.model_psi = sum(q.numel() for q in build(args.model).parameters())
-                args.model_vocab = build(args.model).vocab
+                model = build(args.model, seq=args.seq, wrap=args.wrap_policy)
+                model.units()  # a policy that names no class of the model is refused here
+                args.model_psi = sum(q.numel() for q in model.parameters())
+                args.model_vocab = model.vocab
         except PlanError as e:
             p.error(str(e))
     if args.device == "cpu" and not args.sweep and (why := too_big(args)):
@@ -349,7 +358,8 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
     kinds = [r["kind"] for r in rows if r["kind"] in PLANNED + PLANNED_FAMILY]
     predicted = {r["system"]: r for r in predict(args.model, kinds,
                                                  args.world_size, args.batch, args.seq,
-                                                 args.mixed_precision)}
+                                                 args.mixed_precision,
+                                                 wrap=args.wrap_policy)}
     out = ["", "## Beside the plan (python -m zero plan, the same model on fake ranks)", "",
            "MiB per rank; bytes sent per rank per step (CommDebugMode's count, ring accounting); "
            "predicted / measured. Ledger: for ours, the measured ledger less the ranks' "

@@ -1,7 +1,7 @@
 """The plan against measured runs: ``compare_stages.py --model`` for several architectures and
 world sizes, one results file with every predicted figure beside the measured one.
 
-    python benchmarks/plan_check.py                  # 4 models x N = 2, 4 on CPU ranks, ~5 min
+    python benchmarks/plan_check.py                  # 5 models x N = 2, 4 on CPU ranks, ~4 min
     python benchmarks/plan_check.py --world-sizes 2 --models benchmarks/configs/tiny-bert.json
 
 The targets (notes/19-plan.md): model states within 1% of the measured, peak within 10%,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import io
 import json
 import os
@@ -30,6 +31,8 @@ import report  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = [os.path.relpath(os.path.join(HERE, "configs", f), os.getcwd())
           for f in ("tiny-llama.json", "tiny-mixtral.json", "tiny-bert.json")]
+if importlib.util.find_spec("torchtitan") is not None:  # the [titan] extra
+    MODELS.append("torchtitan:llama3:debugmodel")
 MODELS.append("zerolab.planmodel:gpt_deep")
 
 

@@ -159,6 +159,51 @@ def test_a_config_without_transformers_says_to_install_it(tmp_path, capsys, monk
     assert "pip install transformers" in err
 
 
+def test_torchtitan_names_are_refused_naming_the_fix(capsys):
+    pytest.importorskip("torchtitan")
+    err = error_of(capsys, "--model", "torchtitan:llama:8B")
+    assert "no model 'llama'" in err and "llama3" in err and "deepseek_v3" in err
+    err = error_of(capsys, "--model", "torchtitan:llama3:9B")
+    assert "no flavor '9B'" in err and "debugmodel, 1B, 3B, 8B, 70B, 405B" in err
+    err = error_of(capsys, "--model", "torchtitan:llama3:debugmodel", "--seq", "200000")
+    assert "--seq 131072 or less" in err
+
+
+def test_a_torchtitan_flavor_extended_equals_every_block_simulated(tmp_path):
+    """torchtitan's llama3 debug flavor (6 blocks in a ModuleDict, RoPE tables cut to --seq)
+    extended from 3 and 4 blocks: equal to the run of all 6, figure for figure."""
+    pytest.importorskip("torchtitan")
+    spec = ("--model", "torchtitan:llama3:debugmodel", "--systems", "zero3,fsdp2")
+    short, whole = plan_json(tmp_path, *spec), plan_json(tmp_path, *spec, "--exact")
+    for kind in ("zero3", "fsdp2"):
+        for key in ("model_state_bytes_per_rank", "peak_bytes_per_rank",
+                    "bytes_sent_per_rank_per_step", "flops_per_rank_per_step"):
+            assert short[kind][key] == whole[kind][key], (kind, key)
+    from torchtitan.models.llama3 import model_registry
+
+    built = model_registry("debugmodel").model.build()  # its 6 blocks, embedding and head
+    assert short["zero3"]["params"] == sum(p.numel() for p in built.parameters())
+
+
+def test_a_wrap_policy_makes_the_units(tmp_path, capsys):
+    """FSDP1's ModuleWrapPolicy of the blocks makes the model's own units: the same figures as
+    the plan without it; bad or tie-splitting policies are refused naming the fix."""
+    by_policy = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems", "zero3,fsdp2",
+                          "--wrap-policy", "transformer:Block")
+    by_blocks = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems", "zero3,fsdp2",
+                          "--exact")
+    for kind in ("zero3", "fsdp2"):
+        for key in ("model_state_bytes_per_rank", "peak_bytes_per_rank",
+                    "bytes_sent_per_rank_per_step"):
+            assert by_policy[kind][key] == by_blocks[kind][key], (kind, key)
+    assert "8 units by the wrap policy transformer:Block" in capsys.readouterr().out
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "transformer:Blok")
+    assert "no module class Blok" in err and "Block, Embedding" in err
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "size:1000")
+    assert "tok" in err and "tied weights" in err and "larger size:N" in err
+    assert "size:N takes" in error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "size:0")
+
+
 def test_plan_error_is_a_value_error():
     with pytest.raises(ValueError):
         build("no-such-thing")
@@ -220,6 +265,26 @@ def test_ddp_measured_with_its_buckets_and_buffers(tmp_path):
     p = r["predicted"]
     assert abs(p["peak_bytes_per_rank"] / r["peak_bytes_per_rank"] - 1) < 0.01
     assert r["bytes_sent_per_rank_per_step"] == p["bytes_sent_per_rank_per_step"]
+
+
+@pytest.mark.full
+def test_measured_beside_predicted_by_a_size_policy(tmp_path):
+    """FSDP1's size-based policy (each Linear of 3,000 parameters or more a unit: 21 units and
+    the root) for every system, two real gloo ranks against the plan."""
+    cs = _compare_stages()
+    out = tmp_path / "m.json"
+    cs.main(["--model", f"{HERE}:deep", "--wrap-policy", "size:3000", "--seq", "16", "--batch",
+             "2", "--no-time", "--systems", "zero3,fsdp2", "--out", str(tmp_path / "r.md"),
+             "--json", str(out)])
+    rows = json.loads(out.read_text())
+    for r in rows:
+        p = r["predicted"]
+        assert abs(p["model_state_bytes_per_rank"] / r["model_state_bytes_per_rank"] - 1) < 0.01
+        assert abs(p["peak_bytes_per_rank"] / r["peak_bytes_per_rank"] - 1) < 0.01
+    zero3 = rows[0]
+    assert (zero3["ledger_bytes_per_rank_per_step"] - zero3["agreement_bytes_per_rank_per_step"]
+            == zero3["predicted"]["bytes_sent_per_rank_per_step"])
+    assert rows[1]["bytes_sent_per_rank_per_step"] == rows[1]["predicted"]["bytes_sent_per_rank_per_step"]
 
 
 @pytest.mark.full

@@ -253,7 +253,7 @@ def _canon(segments: dict, depth: int) -> dict:
 
 def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = False,
              checkpoint: bool = False, gpus_per_node: int = 8, flops: bool = False,
-             blocks: int | None = None) -> dict:
+             blocks: int | None = None, wrap: str | None = None) -> dict:
     """One training step of rank 0 of ``n`` for ``kind`` on fake tensors (``blocks``: the
     model cut to its first that many blocks): per phase what it held, and what it sent."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -264,7 +264,7 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
     try:
         kw = _meshes(kind, n, gpus_per_node)
         with FakeTensorMode(), fake_safe():
-            model = build(spec, checkpoint)
+            model = build(spec, checkpoint, seq, wrap)
             if blocks is not None:
                 model.keep_blocks(blocks)
             model.seq = seq
@@ -383,13 +383,14 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
     return row
 
 
-def check(spec: str, n: int, checkpoint: bool, exact: bool, seq: int) -> dict:
+def check(spec: str, n: int, checkpoint: bool, exact: bool, seq: int,
+          wrap: str | None = None) -> dict:
     """Build MODEL on the meta device and hold it to the simulation's bounds: what it is."""
     if n > MAX_WORLD_SIZE:
         raise PlanError(f"--world-size {n}: the simulation's bound is {MAX_WORLD_SIZE:,} ranks "
                         f"(its fake process group keeps ~70 bytes a rank)")
     with torch.device("meta"), fake_safe():
-        model = build(spec, checkpoint)
+        model = build(spec, checkpoint, seq, wrap)
     longest = model.max_positions()
     if longest is not None and seq > longest:
         raise PlanError(f"--seq {seq}: the model embeds positions for {longest} tokens at most; "
@@ -399,7 +400,10 @@ def check(spec: str, n: int, checkpoint: bool, exact: bool, seq: int) -> dict:
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "blocks": len(model.block_names), "block_list": repeat["list"],
            "alike": repeat["alike"], "block_class": repeat["class"]}
-    out["extend"] = out["alike"] and not exact and out["blocks"] > SAMPLE[1]
+    out["units"] = len(model.units())
+    # a wrap policy's units need not follow the blocks (a size policy may join or split
+    # them, and its choice near the root depends on depth): such a plan runs every block
+    out["extend"] = out["alike"] and not exact and not wrap and out["blocks"] > SAMPLE[1]
     # What the simulation costs: its operations, about in proportion to the modules that hold
     # parameters (~20 ms each per system on 2 cores, whatever their size)
     owners = lambda m: sum(1 for x in m.modules() if any(True for _ in x.parameters(False)))  # noqa: E731
@@ -428,7 +432,7 @@ def plan(args) -> tuple[dict, list[dict]]:
                args.gpus_per_node)
     gpn = p.cluster.ranks_per_node
     info = check(args.model, args.world_size, args.activation_checkpointing, args.exact,
-                 args.seq)
+                 args.seq, args.wrap_policy)
     depths = SAMPLE if info["extend"] else (None,)
     rows, flops = [], None
     for kind in args.systems:
@@ -439,7 +443,8 @@ def plan(args) -> tuple[dict, list[dict]]:
             warnings.simplefilter("ignore")
             runs = [simulate(args.model, kind, args.world_size, args.batch, args.seq,
                              args.mixed_precision, args.activation_checkpointing, gpn,
-                             flops=flops is None, blocks=d) for d in depths]
+                             flops=flops is None, blocks=d, wrap=args.wrap_policy)
+                    for d in depths]
         r = _row(runs, kind, info["blocks"], args.world_size, p.cluster)
         flops = r["flops_per_rank_per_step"] if flops is None else flops
         compute = flops / (p.tflops(args.mixed_precision) * 1e12)
@@ -455,13 +460,15 @@ def plan(args) -> tuple[dict, list[dict]]:
 
 
 def predict(model: str, systems, world_size: int, batch: int, seq: int,
-            mixed_precision: bool = False, cluster: str = "dgx-h100") -> list[dict]:
+            mixed_precision: bool = False, cluster: str = "dgx-h100",
+            wrap: str | None = None) -> list[dict]:
     """The plan's rows for these systems, as ``benchmarks/compare_stages.py --model`` asks."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", model, "--world-size", str(world_size), "--batch",
                               str(batch), "--seq", str(seq), "--cluster", cluster])
     args.mixed_precision, args.systems = mixed_precision, list(systems)
+    args.wrap_policy = wrap
     return plan(args)[1]
 
 
@@ -473,6 +480,9 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
     units = (f"{info['blocks']} blocks ({info['block_class']} in {info['block_list']}), one unit "
              f"each, and the root with the rest" if info["blocks"] else
              "no repeated blocks: one unit, the whole model")
+    if getattr(args, "wrap_policy", None):
+        units = (f"{info['units']} units by the wrap policy {args.wrap_policy} (the last the root "
+                 f"with the rest)")
     r0 = rows[0]
     out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}.",
            f"Batch {args.batch} x seq {args.seq} per rank"
@@ -496,8 +506,9 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="a Hugging Face config.json (or its folder), or "
-                        "package.module:callable returning an nn.Module")
+                   help="a Hugging Face config.json (or its folder), torchtitan:NAME:FLAVOR "
+                        "(torchtitan:llama3:8B), or package.module:callable returning an "
+                        "nn.Module")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--cluster", choices=sorted(PRESETS), default="dgx-h100")
     p.add_argument("--gpus-per-node", type=int, default=None, help="override the preset's")
@@ -510,6 +521,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward")
+    p.add_argument("--wrap-policy", default=None, metavar="POLICY",
+                   help="units by an FSDP1 auto-wrap policy, transformer:Class[,Class] or size:N "
+                        "(runs every block), not the model's repeated blocks")
     p.add_argument("--exact", action="store_true",
                    help="simulate every block, not 3 and 4 blocks extended")
     p.add_argument("--systems", default=",".join(SYSTEMS),

@@ -7,11 +7,19 @@ MODEL is one of:
   class its ``architectures`` field names, else a causal LM, a masked LM, or the bare model
   (``pip install transformers``; a Mixture-of-Experts runs its experts with transformers'
   grouped matmul, as on a GPU);
+- ``torchtitan:NAME:FLAVOR`` (``torchtitan:llama3:8B``, ``torchtitan:deepseek_v3:16B``): the
+  flavor's model config from torchtitan's registry for that model, built as its trainer builds
+  it: the RoPE tables cut to the training sequence (``--seq``), attention as SDPA (torchtitan's
+  flex attention wants ``torch.compile``; SDPA keeps the same tensors for backward as a fused
+  kernel would), no torchtitan parallelism (the plan's systems do the sharding);
 - ``package.module:callable``: any function returning an ``nn.Module`` that takes token ids
   ``(batch, seq)`` (``zerolab.planmodel:gpt_7_5b`` is one).
 
 ``Planned`` wraps what was built with what the systems of ``zerolab.systems`` ask of a model:
-``units()`` (each repeated block, then the root), ``batch()`` and ``loss()``.
+``units()`` (each repeated block, then the root; or, given a wrap policy, the modules FSDP1's
+auto-wrap would wrap, then the root), ``batch()`` and ``loss()``. A wrap policy is written
+``transformer:Class[,Class]`` (``ModuleWrapPolicy`` of the model's classes so named) or
+``size:N`` (``size_based_auto_wrap_policy`` at ``min_num_params=N``).
 """
 
 from __future__ import annotations
@@ -38,10 +46,12 @@ class Planned(nn.Module):
     square of the output, which exercises the same backward.
     """
 
-    def __init__(self, inner: nn.Module, vocab: int, checkpoint: bool = False):
+    def __init__(self, inner: nn.Module, vocab: int, checkpoint: bool = False,
+                 wrap: str | None = None):
         super().__init__()
         self.inner, self.vocab = inner, vocab
         self.block_names = repeated_blocks(inner)
+        self.wrap, self.policy = wrap, wrap_policy(inner, wrap) if wrap else None
         if checkpoint:  # activation checkpointing: each block recomputed in backward
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper)
@@ -103,6 +113,20 @@ class Planned(nn.Module):
         self.block_names = repeated_blocks(self.inner)
 
     def units(self) -> list[nn.Module]:
+        if self.policy is not None:
+            from zero.wrap import shared_outside, units_by_policy
+
+            units = units_by_policy(self.inner, self.policy)
+            names = {m: n for n, m in self.inner.named_modules()}
+            for u in units:  # a tied parameter must live in one unit (FSDP1's rule too)
+                if shared_outside(self.inner, u):
+                    raise PlanError(f"--wrap-policy {self.wrap}: it makes a unit of {names[u]} "
+                                    f"({type(u).__name__}), whose parameter a module outside "
+                                    f"it uses too (tied weights); a tied parameter must live in "
+                                    f"one unit: choose a policy that leaves both users to a "
+                                    f"common parent (a larger size:N, or transformer: of the "
+                                    f"blocks)")
+            return [*units, self]
         return [*(self.inner.get_submodule(n) for n in self.block_names), self]
 
     def batch(self, batch: int, generator: torch.Generator, seq: int | None = None):
@@ -154,18 +178,53 @@ def fake_safe():
         moe._can_use_grouped_mm = can
 
 
-def build(spec: str, checkpoint: bool = False) -> Planned:
-    """Build MODEL (see the module docstring) on the current device; raise ``PlanError`` with
-    the fix when it cannot be built."""
+def build(spec: str, checkpoint: bool = False, seq: int | None = None,
+          wrap: str | None = None) -> Planned:
+    """Build MODEL (see the module docstring) on the current device, for sequences of ``seq``
+    tokens where the model sizes a table by them, its units those of the wrap policy ``wrap``
+    if given; raise ``PlanError`` with the fix when it cannot be built."""
     if os.path.isdir(spec) or spec.endswith(".json") or os.path.isfile(spec):
         inner, vocab = _hf(spec)
+    elif spec.startswith("torchtitan:"):
+        inner, vocab = _titan(spec, seq)
     elif ":" in spec:
         inner, vocab = _callable(spec)
     else:
         raise PlanError(f"--model {spec!r}: no such file, and not package.module:callable; give "
-                        f"a Hugging Face config.json path (or its folder), or a function returning "
-                        f"an nn.Module as package.module:callable")
-    return Planned(inner, vocab, checkpoint)
+                        f"a Hugging Face config.json path (or its folder), torchtitan:NAME:FLAVOR, "
+                        f"or a function returning an nn.Module as package.module:callable")
+    return Planned(inner, vocab, checkpoint, wrap)
+
+
+def wrap_policy(model: nn.Module, wrap: str):
+    """``transformer:Class[,Class]`` or ``size:N`` as one of torch's FSDP1 wrap policies."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    kind, _, rest = wrap.partition(":")
+    if kind == "size":
+        try:
+            n = int(float(rest))
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise PlanError(f"--wrap-policy {wrap}: size:N takes a whole number of parameters "
+                            f">= 1 (size:100000000 wraps each module of 1e8 or more)")
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=n)
+    if kind == "transformer":
+        have = {type(m).__name__: type(m) for m in model.modules()
+                if any(True for _ in m.parameters(recurse=False))
+                or any(True for _ in m.children())}
+        names = [c for c in rest.split(",") if c]
+        missing = [c for c in names if c not in have]
+        if not names or missing:
+            raise PlanError(f"--wrap-policy {wrap}: the model has no module class "
+                            f"{', '.join(missing) or '(none given)'}; name one or more of "
+                            f"{', '.join(sorted(have))}")
+        return ModuleWrapPolicy({have[c] for c in names})
+    raise PlanError(f"--wrap-policy {wrap}: write transformer:Class[,Class] (FSDP1's "
+                    f"ModuleWrapPolicy) or size:N (its size_based_auto_wrap_policy)")
 
 
 def _hf(path: str):
@@ -206,6 +265,58 @@ def _hf(path: str):
     raise PlanError(f"--model {path}: transformers {transformers.__version__} could not build a "
                     f"model from it ({type(last).__name__}: {last}); check the config's fields "
                     f"against the model's documentation")
+
+
+def _titan(spec: str, seq: int | None):
+    import dataclasses
+    import pkgutil
+
+    _, _, rest = spec.partition(":")
+    name, _, flavor = rest.partition(":")
+    try:
+        import torchtitan.models
+    except ImportError:
+        raise PlanError(f"--model {spec}: torchtitan is not installed: pip install torchtitan "
+                        f"(or this package's [titan] extra)") from None
+    names = sorted(m.name for m in pkgutil.iter_modules(torchtitan.models.__path__)
+                   if m.ispkg and m.name != "common")
+    try:
+        module = importlib.import_module(f"torchtitan.models.{name}") if name in names else None
+    except Exception as e:  # noqa: BLE001 (an optional dependency of that model, say)
+        raise PlanError(f"--model {spec}: torchtitan's {name} cannot be imported here "
+                        f"({type(e).__name__}: {e})") from None
+    if module is None or not hasattr(module, "model_registry"):
+        raise PlanError(f"--model {spec}: torchtitan has no model {name!r}; write "
+                        f"torchtitan:NAME:FLAVOR with NAME one of {', '.join(names)}")
+    flavors = next((list(v) for k, v in vars(module).items()
+                    if k.endswith("_configs") and isinstance(v, dict)), [])
+    if flavor not in flavors:
+        raise PlanError(f"--model {spec}: torchtitan's {name} has no flavor {flavor!r}; write "
+                        f"torchtitan:{name}:FLAVOR with FLAVOR one of {', '.join(flavors)}")
+    config = module.model_registry(flavor).model
+    layers = getattr(config, "layers", None)
+    if not layers or not hasattr(config, "vocab_size"):
+        raise PlanError(f"--model {spec}: not a language model of token ids (no layers or "
+                        f"vocabulary in its config); the plan feeds token ids")
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in layers:  # as torchtitan's trainer does for its training sequence
+        attention = getattr(layer, "attention", None)
+        if attention is None:
+            continue
+        attention.inner_attention = ScaledDotProductAttention.Config()
+        rope = getattr(attention, "rope", None)
+        if seq is not None and rope is not None:
+            if seq > rope.max_seq_len:
+                raise PlanError(f"--seq {seq}: torchtitan's {name} {flavor} embeds positions for "
+                                f"{rope.max_seq_len} tokens at most; pass --seq "
+                                f"{rope.max_seq_len} or less")
+            attention.rope = dataclasses.replace(rope, max_seq_len=seq)
+    try:
+        return config.build(), config.vocab_size
+    except Exception as e:  # torchtitan's code on this torch: say what it said
+        raise PlanError(f"--model {spec}: torchtitan could not build it ({type(e).__name__}: "
+                        f"{e})") from None
 
 
 def _callable(spec: str):
