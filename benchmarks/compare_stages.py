@@ -138,7 +138,7 @@ def make_model(args) -> torch.nn.Module:
     if args.model:  # the plan's reading of MODEL: its blocks as units, token ids as the batch
         from zerolab.planmodel import build
 
-        model = build(args.model, seq=args.seq, wrap=args.wrap_policy)
+        model = build(args.model, args.activation_checkpointing, seq=args.seq, wrap=args.wrap_policy)
         model.seq = args.seq
         return model
     if args.frozen:
@@ -226,6 +226,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of the GPT: a Hugging Face config.json, torchtitan:NAME:FLAVOR or "
                         "package.module:callable (as python -m zero plan takes it), measured "
                         "beside the plan's prediction")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="with --model: each block recomputed in backward, as the plan's flag")
     p.add_argument("--wrap-policy", default=None, metavar="POLICY",
                    help="with --model: units by an FSDP1 auto-wrap policy, as python -m zero plan "
                         "takes it (transformer:Class[,Class] or size:N)")
@@ -270,6 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--device cuda: {missing} (torch {torch.__version__}); the GPU path runs one "
                     f"rank per GPU under torchrun with NCCL: torchrun --nproc-per-node <GPUs> "
                     f"benchmarks/compare_stages.py --device cuda")
+    if args.activation_checkpointing and not args.model:
+        p.error("--activation-checkpointing goes with --model (the plan's reading of a model)")
     if args.wrap_policy and (not args.model or args.wrap != "units"):
         p.error("--wrap-policy gives every system the units of a --model; it goes with --model "
                 "and without --wrap (which re-wraps ours only)")
@@ -359,7 +363,8 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
     predicted = {r["system"]: r for r in predict(args.model, kinds,
                                                  args.world_size, args.batch, args.seq,
                                                  args.mixed_precision,
-                                                 wrap=args.wrap_policy)}
+                                                 wrap=args.wrap_policy,
+                                                 checkpoint=args.activation_checkpointing)}
     out = ["", "## Beside the plan (python -m zero plan, the same model on fake ranks)", "",
            "MiB per rank; bytes sent per rank per step (CommDebugMode's count, ring accounting); "
            "predicted / measured. Ledger: for ours, the measured ledger less the ranks' "

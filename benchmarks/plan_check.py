@@ -75,11 +75,13 @@ def main(argv=None) -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--mixed-precision", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--out", default=None, help="default benchmarks/results/<date>-<machine>-plan.md")
     args = p.parse_args(argv)
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(HERE, "results", f"{date}-{report.machine()}-plan.md")
     extra = ["--mixed-precision"] if args.mixed_precision else []
+    extra += ["--activation-checkpointing"] if args.activation_checkpointing else []
     body, every = [], []
     for model in args.models.split(","):
         for n in map(int, args.world_sizes.split(",")):
@@ -91,13 +93,15 @@ def main(argv=None) -> None:
     worst_s = max(abs(s - 1) for _, s, _, _ in every)
     worst_k = max(abs(k - 1) for _, _, k, _ in every)
     ours = [e for *_, e in every if e is not None]
+    each = " ".join(["compare_stages.py --model MODEL --world-size N --no-time", *extra])
     head = [f"# The plan against measured runs, {date}", "",
             f"- machine: {report.machine()} ({report.cpu_name()}), CPU ranks (gloo)",
             f"- torch {torch.__version__}",
             f"- command: `python benchmarks/plan_check.py {' '.join(argv or sys.argv[1:])}`",
-            f"- each run: `compare_stages.py --model MODEL --world-size N --no-time` "
-            f"(batch {compare_stages.BATCH} x seq {compare_stages.SEQ} per rank, AdamW, "
-            f"{'bf16 / fp32 reduce' if args.mixed_precision else 'fp32'})", "",
+            f"- each run: `{each}` (batch {compare_stages.BATCH} x seq {compare_stages.SEQ} per "
+            f"rank, AdamW, "
+            f"{'bf16 / fp32 reduce' if args.mixed_precision else 'fp32'}"
+            f"{', every block checkpointed' if args.activation_checkpointing else ''})", "",
             f"Over {len(every)} rows: model states within {100 * worst_s:.3f}% of measured, "
             f"peak within {100 * worst_k:.2f}%; our ledger less agreements equals the "
             f"prediction in {sum(ours)} of {len(ours)} rows.", ""]

@@ -185,6 +185,17 @@ def test_a_torchtitan_flavor_extended_equals_every_block_simulated(tmp_path):
     assert short["zero3"]["params"] == sum(p.numel() for p in built.parameters())
 
 
+def test_a_systems_peak_does_not_depend_on_which_counts_the_flops(tmp_path):
+    """The first system simulated counts the step's FLOPs; counting them in the measured step
+    kept alive activations that checkpointing frees (the first system's peak read high)."""
+    spec = ("--model", f"{HERE}:shallow", "--activation-checkpointing")
+    first = plan_json(tmp_path, *spec, "--systems", "ddp,zero1")
+    second = plan_json(tmp_path, *spec, "--systems", "zero1,ddp")
+    for kind in ("ddp", "zero1"):
+        assert first[kind]["peak_bytes_per_rank"] == second[kind]["peak_bytes_per_rank"], kind
+    assert first["ddp"]["flops_per_rank_per_step"] == second["zero1"]["flops_per_rank_per_step"]
+
+
 def test_a_wrap_policy_makes_the_units(tmp_path, capsys):
     """FSDP1's ModuleWrapPolicy of the blocks makes the model's own units: the same figures as
     the plan without it; bad or tie-splitting policies are refused naming the fix."""
@@ -265,6 +276,21 @@ def test_ddp_measured_with_its_buckets_and_buffers(tmp_path):
     p = r["predicted"]
     assert abs(p["peak_bytes_per_rank"] / r["peak_bytes_per_rank"] - 1) < 0.01
     assert r["bytes_sent_per_rank_per_step"] == p["bytes_sent_per_rank_per_step"]
+
+
+@pytest.mark.full
+def test_measured_beside_predicted_with_activation_checkpointing(tmp_path):
+    """Every block recomputed in backward (torch's checkpoint_wrapper), measured on two gloo
+    ranks beside the plan: peaks within 1%, DDP's too."""
+    cs = _compare_stages()
+    out = tmp_path / "m.json"
+    cs.main(["--model", f"{HERE}:deep", "--activation-checkpointing", "--seq", "16", "--batch",
+             "2", "--no-time", "--systems", "ddp,zero3,fsdp2", "--out", str(tmp_path / "r.md"),
+             "--json", str(out)])
+    for r in json.loads(out.read_text()):
+        p = r["predicted"]
+        assert abs(p["model_state_bytes_per_rank"] / r["model_state_bytes_per_rank"] - 1) < 0.01
+        assert abs(p["peak_bytes_per_rank"] / r["peak_bytes_per_rank"] - 1) < 0.01, r["system"]
 
 
 @pytest.mark.full

@@ -272,7 +272,13 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             gen = torch.Generator().manual_seed(0)
             x, y = model.batch(batch, gen)
-            model.loss(model(x), y).backward()  # the first step: the optimizer state exists
+            # The first step: the optimizer state exists after it. Its FLOPs are every step's,
+            # counted here, not in the measured step: FlopCounterMode keeps activations alive
+            # that checkpointing would free (DDP's peak with --activation-checkpointing was
+            # 1.68x the measured one when it counted the measured step)
+            fc = FlopCounterMode(display=False) if flops else _Nothing()
+            with fc:
+                model.loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
             if kind == "ddp":
@@ -282,8 +288,7 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
                 mt = _FSDPTracker(model, opt)
             else:
                 mt = ZeroMemTracker(model, opt, per_module=False)
-            fc = FlopCounterMode(display=False) if flops else _Nothing()
-            with mt, CommCalls(n) as comm, zero.Ledger() as ledger, fc:
+            with mt, CommCalls(n) as comm, zero.Ledger() as ledger:
                 seg = _Segments(mt, model)
                 loss = model.loss(model(x), y)
                 seg.cut(("backward", "head"))
@@ -461,14 +466,14 @@ def plan(args) -> tuple[dict, list[dict]]:
 
 def predict(model: str, systems, world_size: int, batch: int, seq: int,
             mixed_precision: bool = False, cluster: str = "dgx-h100",
-            wrap: str | None = None) -> list[dict]:
+            wrap: str | None = None, checkpoint: bool = False) -> list[dict]:
     """The plan's rows for these systems, as ``benchmarks/compare_stages.py --model`` asks."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", model, "--world-size", str(world_size), "--batch",
                               str(batch), "--seq", str(seq), "--cluster", cluster])
     args.mixed_precision, args.systems = mixed_precision, list(systems)
-    args.wrap_policy = wrap
+    args.wrap_policy, args.activation_checkpointing = wrap, checkpoint
     return plan(args)[1]
 
 
