@@ -359,7 +359,9 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
     measured figure (their ratio); with --json, both, one object per system."""
     from zerolab.plan import FAMILY as PLANNED_FAMILY, SYSTEMS as PLANNED, predict
 
-    kinds = [r["kind"] for r in rows if r["kind"] in PLANNED + PLANNED_FAMILY]
+    # (not CPU offload: on CPU ranks host and device are one memory, which the plan splits)
+    kinds = [r["kind"] for r in rows if r["kind"] in PLANNED + PLANNED_FAMILY
+             and r["kind"] != "zero3-offload"]
     predicted = {r["system"]: r for r in predict(args.model, kinds,
                                                  args.world_size, args.batch, args.seq,
                                                  args.mixed_precision,

@@ -196,6 +196,24 @@ def test_a_systems_peak_does_not_depend_on_which_counts_the_flops(tmp_path):
     assert first["ddp"]["flops_per_rank_per_step"] == second["zero1"]["flops_per_rank_per_step"]
 
 
+def test_cpu_offload_keeps_the_host_apart_from_the_device(tmp_path, capsys):
+    """zero3-offload: the shards, their gradients and the optimizer state on the host (the meta
+    device in the simulation), the device holding what computes; what crosses PCIe is each
+    unit's fp32 shard for each gather and its gradient shard back."""
+    rows = plan_json(tmp_path, "--model", f"{HERE}:shallow", "--systems", "zero3,zero3-offload")
+    z3, off = rows["zero3"], rows["zero3-offload"]
+    psi, n = sum(p.numel() for p in shallow().parameters()), 4
+    assert "host_bytes_per_rank" not in z3
+    assert off["host_bytes_per_rank"] >= 16 * psi / n  # fp32 shard, its gradient, AdamW's two
+    assert off["model_state_bytes_per_rank"] < z3["model_state_bytes_per_rank"]
+    assert off["peak_bytes_per_rank"] < z3["peak_bytes_per_rank"]
+    # every unit's shard gathered (root once, blocks twice) and its gradient shard sent back:
+    # between 2 and 3 crossings of 4 bytes a parameter over N, padding aside
+    assert 2 * 4 * psi / n <= off["host_device_bytes_per_step"] <= 3 * 4 * psi / n + 4 * 64
+    assert off["comm_s_by_group"]["host"] > 0
+    assert "zero3-offload: the host holds" in capsys.readouterr().out
+
+
 def test_a_wrap_policy_makes_the_units(tmp_path, capsys):
     """FSDP1's ModuleWrapPolicy of the blocks makes the model's own units: the same figures as
     the plan without it; bad or tie-splitting policies are refused naming the fix."""
@@ -330,12 +348,12 @@ def test_table1_at_64_ranks(tmp_path):
 
 @pytest.mark.full
 def test_the_family_on_two_nodes(tmp_path):
-    """--systems all on 2 nodes of 8: HSDP, hpZ, qwZ and qgZ are planned too, and their figures
-    move against ZeRO-3's the way each is meant to."""
+    """--systems all on 2 nodes of 8: CPU offload, HSDP, hpZ, qwZ and qgZ are planned too, and
+    their figures move against ZeRO-3's the way each is meant to."""
     rows = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems", "all",
                      "--mixed-precision", n=16)
     assert set(rows) == {"ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2",
-                         "zero3-hsdp", "zero3-hpz", "zero3-qwz", "zero3-qgz"}
+                         "zero3-offload", "zero3-hsdp", "zero3-hpz", "zero3-qwz", "zero3-qgz"}
     z3 = rows["zero3"]["bytes_sent_per_rank_per_step"]
     assert rows["zero3-qwz"]["bytes_sent_per_rank_per_step"] < z3  # int8 weights
     assert rows["zero3-qgz"]["bytes_sent_per_rank_per_step"] < z3  # 4-bit gradients

@@ -1,7 +1,7 @@
 """``python -m zero plan``: which system does *my* model need on *my* cluster, and what will it cost?
 
 For each system (DDP, ZeRO-1/2/3, FSDP2 with and without resharding; with ``--systems`` also
-our stage 3 as HSDP, with hpZ, qwZ or qgZ) the plan trains one step of rank 0 of a *fake* process
+our stage 3 with CPU offload, as HSDP, with hpZ, qwZ or qgZ) the plan trains one step of rank 0 of a *fake* process
 group of N ranks under ``FakeTensorMode``: the real ``zero.shard`` (or torch's
 ``fully_shard``) on the real model, every tensor a shape and a dtype without memory, every
 collective recorded but moving nothing. What it reports, per rank:
@@ -54,9 +54,7 @@ from zerolab.trackers import (MODEL_STATES, PeakFSDPMemTracker, PeakMemTracker,
                               ZeroMemTracker)
 
 SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
-# (not CPU offload: on fake CPU tensors the host and the device are one memory, and the plan
-# would count the offloaded state as the device's)
-FAMILY = ("zero3-hsdp", "zero3-hpz", "zero3-qwz", "zero3-qgz")
+FAMILY = ("zero3-offload", "zero3-hsdp", "zero3-hpz", "zero3-qwz", "zero3-qgz")
 MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 # The simulation's bounds. Fake tensors cost per operation, not per byte: a module holding
 # parameters costs about 20 ms per system on 2 cores whatever its width (a 70B Llama's 80
@@ -131,7 +129,26 @@ def _meshes(kind: str, n: int, gpus_per_node: int) -> dict:
                 "zero3-qgz": {"comm_policy": zero.QuantizedGradients(mesh)}}[kind]
     if kind == "zero3-qwz":
         return {"comm_policy": zero.QuantizedWeights()}
+    if kind == "zero3-offload":
+        return {"offload_policy": _HostOnMeta(pin_memory=False)}
     return {}
+
+
+HOST = torch.device("meta")
+
+
+class _HostOnMeta(zero.CPUOffload):
+    """CPU offload with the host on the meta device. The plan's device is (fake) CPU, so the
+    host must be another device for the tracker to keep the two memories apart: the shards,
+    their gradients and the optimizer state live there, fake tensors all the same, and every
+    copy between the two is the one a GPU run makes (the ledger's h2d and d2h records)."""
+
+    def home(self, compute: torch.device) -> torch.device:
+        return HOST
+
+    def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor:
+        zero.comm.ledger.record_copy("d2h", shard, unit, "backward")
+        return torch.empty(shard.shape, dtype=shard.dtype, device=HOST).copy_(shard)
 
 
 def _wrap(kind: str, model: Planned, mp: bool, kw: dict) -> None:
@@ -157,9 +174,11 @@ def _figures(mt) -> dict:
     model states (for ours also the ZeRO paper's split: each state at its own persistent peak,
     stage 3's gathered units and a unit's full gradient left out as transient)."""
     dev = torch.device("cpu")
-    snap = mt.get_tracker_snapshot("peak").get(dev, {})
+    peaks = mt.get_tracker_snapshot("peak")
+    snap = peaks.get(dev, {})
     out = {"peak": {str(getattr(k, "value", k)): v for k, v in snap.items()},
-           "states": mt.category_peaks.get(dev, {}).get(MODEL_STATES, 0)}
+           "states": mt.category_peaks.get(dev, {}).get(MODEL_STATES, 0),
+           "host": {str(getattr(k, "value", k)): v for k, v in peaks.get(HOST, {}).items()}}
     if isinstance(mt, ZeroMemTracker):
         out["paper"] = {str(getattr(k, "value", k)): v for k, v in mt.state_peaks.items()}
     return out
@@ -228,7 +247,8 @@ def _tensor(x):
 def _most(a: dict, b: dict) -> dict:
     """Figures of two pieces taken as one: each figure's larger."""
     top = a if a["peak"].get("Total", 0) >= b["peak"].get("Total", 0) else b
-    out = {"peak": top["peak"], "states": max(a["states"], b["states"])}
+    out = {"peak": top["peak"], "states": max(a["states"], b["states"]),
+           "host": max(a["host"], b["host"], key=lambda h: h.get("Total", 0))}
     if "paper" in a:
         out["paper"] = {k: max(a["paper"].get(k, 0), b["paper"].get(k, 0))
                         for k in {*a["paper"], *b["paper"]}}
@@ -317,6 +337,7 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
     flags = sum(len(u.params) for u in zero.units_of(model)) if kind.startswith("zero") else None
     return {"flags": flags, "segments": seg.out, "depth": len(model.block_names), "sent": sent,
             "by_op": _by_op(calls), "calls": calls,
+            "host_copies": sum(r.buffer_bytes for r in ledger.records if r.op in ("h2d", "d2h")),
             "grad_bytes": grad_bytes, "buffer_bytes": buffer_bytes, "flops": fc.get_total_flops() if flops else None}
 
 
@@ -365,6 +386,10 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
         "comm_s_by_group": at(lambda r: step_time(r["calls"], cluster)),
         "flops_per_rank_per_step": at(lambda r: r["flops"]) if runs[0]["flops"] else None,
     }
+    host = max(seg[k]["host"].get("Total", 0) for k in keys)
+    if host:  # CPU offload: what the host holds at most, and what crosses PCIe a step
+        row["host_bytes_per_rank"] = host
+        row["host_device_bytes_per_step"] = at(lambda r: r["host_copies"])
     if all("paper" in seg[k] for k in keys):  # each state at its own peak (simulate.py's)
         cats = {c for k in keys for c in seg[k]["paper"]}
         row["paper_model_state_bytes_per_rank"] = sum(
@@ -506,6 +531,12 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
                    f"{r['peak_bytes_per_rank'] / 1e9:.3f} ({r['peak_phase']}) | "
                    f"{r['bytes_sent_per_rank_per_step'] / 1e9:.3f} | "
                    f"{r['comm_s_by_group']['total']:.4f} | {r['predicted_step_s']:.4f} |")
+    for r in rows:
+        if "host_bytes_per_rank" in r:
+            out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB a rank "
+                       f"(the shards, their gradients, the optimizer state), and "
+                       f"{r['host_device_bytes_per_step'] / 1e9:.3f} GB cross between host and "
+                       f"device a step (in comm s); the columns are the device's.")
     return out
 
 
