@@ -169,6 +169,7 @@ def test_torchtitan_names_are_refused_naming_the_fix(capsys):
     assert "--seq 131072 or less" in err
 
 
+@pytest.mark.full
 def test_a_torchtitan_flavor_extended_equals_every_block_simulated(tmp_path):
     """torchtitan's llama3 debug flavor (6 blocks in a ModuleDict, RoPE tables cut to --seq)
     extended from 3 and 4 blocks: equal to the run of all 6, figure for figure."""
@@ -214,9 +215,18 @@ def test_cpu_offload_keeps_the_host_apart_from_the_device(tmp_path, capsys):
     assert "zero3-offload: the host holds" in capsys.readouterr().out
 
 
+def test_bad_wrap_policies_are_refused_naming_the_fix(capsys):
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "transformer:Blok")
+    assert "no module class Blok" in err and "Block, Embedding" in err
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "size:1000")
+    assert "tok" in err and "tied weights" in err and "larger size:N" in err
+    assert "size:N takes" in error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "size:0")
+
+
+@pytest.mark.full
 def test_a_wrap_policy_makes_the_units(tmp_path, capsys):
     """FSDP1's ModuleWrapPolicy of the blocks makes the model's own units: the same figures as
-    the plan without it; bad or tie-splitting policies are refused naming the fix."""
+    the plan without it."""
     by_policy = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems", "zero3,fsdp2",
                           "--wrap-policy", "transformer:Block")
     by_blocks = plan_json(tmp_path, "--model", f"{HERE}:deep", "--systems", "zero3,fsdp2",
@@ -226,11 +236,6 @@ def test_a_wrap_policy_makes_the_units(tmp_path, capsys):
                     "bytes_sent_per_rank_per_step"):
             assert by_policy[kind][key] == by_blocks[kind][key], (kind, key)
     assert "8 units by the wrap policy transformer:Block" in capsys.readouterr().out
-    err = error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "transformer:Blok")
-    assert "no module class Blok" in err and "Block, Embedding" in err
-    err = error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "size:1000")
-    assert "tok" in err and "tied weights" in err and "larger size:N" in err
-    assert "size:N takes" in error_of(capsys, "--model", f"{HERE}:deep", "--wrap-policy", "size:0")
 
 
 def test_plan_error_is_a_value_error():
