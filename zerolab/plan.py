@@ -292,12 +292,13 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             gen = torch.Generator().manual_seed(0)
             x, y = model.batch(batch, gen)
-            # The first step: the optimizer state exists after it. Its FLOPs are every step's,
-            # counted here, not in the measured step: FlopCounterMode keeps activations alive
-            # that checkpointing would free (DDP's peak with --activation-checkpointing was
-            # 1.68x the measured one when it counted the measured step)
+            # The first step: the optimizer state exists after it. Its FLOPs and FSDP2's
+            # collectives are every step's, counted here, not in the measured step: torch's
+            # FlopCounterMode and CommDebugMode keep tensors alive that the step would free
+            # (with checkpointing, DDP's peak read 1.68x the measured one under the first, a
+            # BERT's every peak a hidden state high under the second)
             fc = FlopCounterMode(display=False) if flops else _Nothing()
-            with fc:
+            with fc, CommCalls(n) as comm:
                 model.loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -308,7 +309,7 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
                 mt = _FSDPTracker(model, opt)
             else:
                 mt = ZeroMemTracker(model, opt, per_module=False)
-            with mt, CommCalls(n) as comm, zero.Ledger() as ledger:
+            with mt, zero.Ledger() as ledger:
                 seg = _Segments(mt, model)
                 loss = model.loss(model(x), y)
                 seg.cut(("backward", "head"))
