@@ -5,7 +5,7 @@ byte and bit as it was. This script prints, for a matrix of configurations (the 
 in fp32 and bf16, the three layouts, CPU and disk offload, qwZ, qgZ, HSDP, hpZ, no_sync,
 clipping, reshard_after_forward=False), on every rank and after every step: the loss as hex,
 each ledger record (op, dtype, bytes, unit, phase, group; no times), and a hash of every
-parameter's bytes; then the narrated traces of ``python -m zero trace --stage 1/2/3``
+parameter's bytes; then the narrated traces of ``python -m zerolab trace --stage 1/2/3``
 without their time column. Run it before and after, and compare the two files byte for byte::
 
     python benchmarks/capture.py > before.txt
@@ -88,7 +88,7 @@ def main() -> None:
     if only:
         return
     for stage in (1, 2, 3):
-        out = subprocess.run([sys.executable, "-m", "zero", "trace", "--stage", str(stage)],
+        out = subprocess.run([sys.executable, "-m", "zerolab", "trace", "--stage", str(stage)],
                              capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": "0"}).stdout
         print(f"== trace --stage {stage}")

@@ -116,7 +116,7 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
 def _disk_store(opt) -> dict | None:
     """Disk offload's own count of the optimizer state it held at once, and what it moves a
     step: its buffers are made on its I/O thread, where MemTracker (one thread's) is blind."""
-    stores = zero.disk_offload.stores_of(opt)
+    stores = zero.features.disk_offload.stores_of(opt)
     if not stores:
         return None
     return {"held": max(s.peak_bytes for s in stores),
@@ -224,12 +224,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="memory and bytes vs model size and N")
     p.add_argument("--model", default=None,
                    help="instead of the GPT: a Hugging Face config.json, torchtitan:NAME:FLAVOR or "
-                        "package.module:callable (as python -m zero plan takes it), measured "
+                        "package.module:callable (as python -m zerolab plan takes it), measured "
                         "beside the plan's prediction")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="with --model: each block recomputed in backward, as the plan's flag")
     p.add_argument("--wrap-policy", default=None, metavar="POLICY",
-                   help="with --model: units by an FSDP1 auto-wrap policy, as python -m zero plan "
+                   help="with --model: units by an FSDP1 auto-wrap policy, as python -m zerolab plan "
                         "takes it (transformer:Class[,Class] or size:N)")
     p.add_argument("--json", default=None, metavar="FILE", type=output_file,
                    help="one object per system: system, model_state_bytes_per_rank, "
@@ -367,7 +367,7 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
                                                  args.mixed_precision,
                                                  wrap=args.wrap_policy,
                                                  checkpoint=args.activation_checkpointing)}
-    out = ["", "## Beside the plan (python -m zero plan, the same model on fake ranks)", "",
+    out = ["", "## Beside the plan (python -m zerolab plan, the same model on fake ranks)", "",
            "MiB per rank; bytes sent per rank per step (CommDebugMode's count, ring accounting); "
            "predicted / measured. Ledger: for ours, the measured ledger less the ranks' "
            "agreements (a few bytes a step that the fake group of the plan does not issue), "

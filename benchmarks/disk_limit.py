@@ -82,7 +82,7 @@ def rank_run(rank: int, n: int, directory: str | None, budget: int, layers: int,
     digest = hashlib.sha256()
     for name, t in sorted(zero.full_state_dict(model).items()):
         digest.update(name.encode() + t.numpy().tobytes())
-    store = zero.disk_offload.stores_of(opt)[0] if directory else None
+    store = zero.features.disk_offload.stores_of(opt)[0] if directory else None
     return {"state": state, "params_sha256": digest.hexdigest()[:16],
             "held": store.peak_bytes if store else state, "grown": peak - start,
             "step_s": statistics.median(times[1:] or times)}

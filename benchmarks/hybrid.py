@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
-from zero.comm.quantized_gradients import BLOCK  # noqa: E402
+from zero.features.quantized_gradients import BLOCK  # noqa: E402
 from zerolab.cost import Cluster, step_time  # noqa: E402
 from zerolab.launch import run_ranks  # noqa: E402
 from zerolab.models import GPT, GPTConfig  # noqa: E402

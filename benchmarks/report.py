@@ -181,7 +181,7 @@ def write(rows, args, argv, stage_of) -> None:
                      f"trainable); AdamW on the trainable ones, fp32. The paper columns assume "
                      f"every parameter trains: they do not apply here"]
         elif getattr(args, "model", None):
-            head += [f"- model: {args.model} (built as python -m zero plan builds it: its "
+            head += [f"- model: {args.model} (built as python -m zerolab plan builds it: its "
                      f"repeated blocks the units), seq {args.seq}, batch {args.batch} per rank, "
                      f"Ψ = {psi:,} parameters; AdamW, "
                      f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]

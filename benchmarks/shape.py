@@ -6,9 +6,10 @@ Four counts, each from Python's ``ast`` (no code is run):
 - module-level mutable objects: names bound at module level to a dict, list, set or deque
   (or one of their kin) that some code then changes (item assignment, ``append``, ``add``...,
   or a ``global`` statement) — process-wide state that two models would share;
-- imports from a lower layer to a higher one, the layers bottom-up: ``zero/comm``,
-  ``zero/core``, ``zero/checkpoint``, the rest of ``zero/`` (``zero/features`` and the top
-  level), then ``zerolab`` (which ``zero`` must never import);
+- imports from a lower layer to a higher one, the layers bottom-up: ``zero/api.py`` (the
+  seams), ``zero/comm``, ``zero/core``, ``zero/checkpoint``, ``zero/features``,
+  ``zero/surface``, the top of ``zero/`` (``__init__``, ``__main__``, ``minimal``), then
+  ``zerolab`` (which ``zero`` must never import);
 - feature-specific branches in ``zero/core``: ``if`` tests (and conditional expressions)
   that mention an offload, hpZ's secondary group (or its post-forward mesh), HSDP's replicas
   or a layout's name.
@@ -25,7 +26,8 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LAYERS = ["zero.comm", "zero.core", "zero.checkpoint", "zero", "zerolab"]
+LAYERS = ["zero.api", "zero.comm", "zero.core", "zero.checkpoint", "zero.features",
+          "zero.surface", "zero", "zerolab"]
 MUTABLE_CALLS = {"dict", "list", "set", "deque", "defaultdict", "OrderedDict", "Counter",
                  "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
 MUTATORS = {"append", "extend", "add", "update", "setdefault", "pop", "popitem", "remove",

@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero  # noqa: E402
 from argtypes import comma_list, float_in, int_in  # noqa: E402
-from zero.meta_init import init_parameters  # noqa: E402
+from zero.surface.meta_init import init_parameters  # noqa: E402
 from zerolab.cost import Cluster, crosses_nodes, step_time  # noqa: E402
 from zero.comm import Record  # noqa: E402
 from zerolab.memory import model_state_bytes  # noqa: E402

@@ -1,4 +1,4 @@
-"""Weights loaded on one rank only, then ``zero.shard`` (zero/shard.py): every rank must hold
+"""Weights loaded on one rank only, then ``zero.shard`` (zero/surface/shard.py): every rank must hold
 the same values when it shards, or each trains a model of its own.
 
 DDP broadcasts rank 0's parameters when it is built; FSDP2's ``fully_shard`` and, before

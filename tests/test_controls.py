@@ -1,4 +1,4 @@
-"""FSDP2's control surface (zero/controls.py): each control does what it says, measured by the
+"""FSDP2's control surface (zero/surface/controls.py): each control does what it says, measured by the
 ledger or the unsharded storage, and training stays bitwise equal to FSDP2 (or DDP) doing
 the same, at world size 2."""
 

@@ -1,6 +1,6 @@
 """Disk offload's files meet what a job meets: a full disk, a flipped bit, a killed rank.
 
-What must hold (zero/state_files.py): a write the disk cuts short raises at that step, naming
+What must hold (zero/features/disk_files.py): a write the disk cuts short raises at that step, naming
 the disk, with the state kept in memory (and training goes on bitwise once there is room); a
 file changed on disk is a named error at the next read, never a step on wrong moments; the
 directory goes on SIGTERM (the user's handler still runs) and, after SIGKILL, the next store
@@ -20,7 +20,7 @@ import torch
 import zero
 from compare import GPT
 from harness import run_ranks
-from zero.state_files import PREFIX, StateFileError, StateFiles
+from zero.features.disk_files import PREFIX, StateFileError, StateFiles
 from zerolab.models import GPTConfig
 
 
@@ -74,7 +74,7 @@ def _corrupt(rank, n, directory, how):
         x, y = model.batch(4, torch.Generator().manual_seed(10 * s + rank))
         model.loss(model(x), y).backward()
         if s == 1 and rank == 0:
-            store = zero.disk_offload.stores_of(opt)[0]
+            store = zero.features.disk_offload.stores_of(opt)[0]
             path = sorted(os.path.join(store.root, f) for f in os.listdir(store.root)
                           if f.endswith(".state"))[0]
             _mutate(path, how, random.Random(0))
@@ -130,7 +130,7 @@ def test_a_fuzz_of_the_files_is_never_silent(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import os, signal, sys, time
-    from zero.state_files import StateFiles
+    from zero.features.disk_files import StateFiles
     if sys.argv[2] == "chain":
         signal.signal(signal.SIGTERM, lambda s, f: (open(sys.argv[1] + "/user-handler-ran", "w"),
                                                      sys.exit(3)))

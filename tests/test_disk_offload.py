@@ -1,4 +1,4 @@
-"""Disk offload (zero/disk_offload.py): the optimizer state in files, the bits unchanged.
+"""Disk offload (zero/features/disk_offload.py): the optimizer state in files, the bits unchanged.
 
 What must hold: training bitwise equal to the in-memory run at every stage, fp32 and bf16
 compute; between steps no optimizer state in memory; every read and write in the ledger, the
@@ -42,7 +42,7 @@ def _train(rank, n, stage, mp, directory, steps=3):
     losses, ledgers = train_steps(model, opt, rank, steps)
     out = {"losses": losses, "params": zero.full_state_dict(model)}
     if directory:
-        store = zero.disk_offload.stores_of(opt)[0]
+        store = zero.features.disk_offload.stores_of(opt)[0]
         units = zero.units_of(model)
         # The in-memory state a unit holds is its parameters' exp_avg and exp_avg_sq (fp32,
         # the piece's shape), each at a multiple of 64 bytes in the unit's buffer.

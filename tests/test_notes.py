@@ -218,7 +218,7 @@ def test_the_animation_is_what_its_script_builds_today():
 
 
 def test_a_quoted_trace_is_the_committed_one():
-    """The notes quote ``python -m zero trace`` whole once (chapter 5), as committed but for the
+    """The notes quote ``python -m zerolab trace`` whole once (chapter 5), as committed but for the
     times (tests/test_trace.py holds the committed output to a fresh run); every other quote is
     an excerpt, tests/test_learner_path.py's test_a_trace_excerpt_is_rows_of_the_committed_one."""
     times = re.compile(r"^ *\d+\.\d\d  ", re.M)
@@ -302,7 +302,7 @@ def test_the_readme_says_how_long_the_code_is():
     lines = lambda paths: sum(len(open(os.path.join(ROOT, p)).read().splitlines())  # noqa: E731
                               for p in paths)
     mechanism = [*glob.glob("zero/core/*.py", root_dir=ROOT), *glob.glob("zero/comm/*.py", root_dir=ROOT),
-                 "zero/shard.py"]
+                 "zero/surface/shard.py"]
     package = glob.glob(os.path.join(ROOT, "zero", "**", "*.py"), recursive=True)
     said = re.search(r"The\s+three stages alone take (\d+) lines.*?the mechanism of the full package"
                      r".*?about\s+([\d,]+);.*?the whole\s+package.*?about\s+([\d,]+)", readme, re.S)

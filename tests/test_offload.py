@@ -1,4 +1,4 @@
-"""CPU offload (zero/offload.py): the shards on the host, the copies counted, the bits unchanged.
+"""CPU offload (zero/features/offload.py): the shards on the host, the copies counted, the bits unchanged.
 
 Here host and device are the same memory, so what can be checked is what offload must not
 change and what it must count: training bitwise equal to no offload, at every stage, in fp32

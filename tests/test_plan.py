@@ -1,4 +1,4 @@
-"""``python -m zero plan``: the figures it predicts, and what it says to input it cannot use.
+"""``python -m zerolab plan``: the figures it predicts, and what it says to input it cannot use.
 
 The plan runs the real sharding on fake ranks (zerolab/plan.py); these tests hold its
 shortcut (a model of alike blocks simulated at 3 and 4 blocks and extended) to the full
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zero.__main__ import main
+from zerolab.__main__ import main
 from zerolab.models import GPT, GPTConfig
 from zerolab.planmodel import PlanError, build, repeated_blocks
 

@@ -1,4 +1,4 @@
-"""ZeRO++'s qwZ (zero/comm/quantized.py): int8 weight all-gathers, the bytes and the error bounded.
+"""ZeRO++'s qwZ (zero/features/quantized.py): int8 weight all-gathers, the bytes and the error bounded.
 
 Lossy by design: the test holds the bound (each gathered weight within half a quantization
 step, its block's largest magnitude over 254, of the exact one), the bytes to the byte (1 per
@@ -13,7 +13,7 @@ import torch
 import zero
 from compare import GPT, train_steps
 from harness import run_ranks
-from zero.comm.quantized import QuantizedWeights
+from zero.features.quantized import QuantizedWeights
 from zerolab.models import GPTConfig
 
 

@@ -1,4 +1,4 @@
-"""ZeRO++'s qgZ (zero/comm/quantized_gradients.py): the gradient reduce-scatter as two 4-bit
+"""ZeRO++'s qgZ (zero/features/quantized_gradients.py): the gradient reduce-scatter as two 4-bit
 all-to-all hops on a (nodes, ranks a node) mesh; four local ranks play two nodes of two.
 
 Lossy by design: the test holds the bound (each element of the reduced shard within the sum
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import zero
 from compare import GPT, train_steps
 from harness import run_ranks
-from zero.comm.quantized_gradients import QuantizedGradients, pack, unpack
+from zero.features.quantized_gradients import QuantizedGradients, pack, unpack
 from zerolab.models import GPTConfig
 
 NODES, PER_NODE = 2, 2

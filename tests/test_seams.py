@@ -21,7 +21,7 @@ from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: F401 (MemT
 
 import zero
 from harness import run_ranks
-from zero.comm.logging_backend import LoggingBackend
+from zero.features.logging_backend import LoggingBackend
 from zerolab.memory import schedule
 from zerolab.models import GPT, GPTConfig
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
@@ -167,12 +167,12 @@ def test_chapter_15_is_written_from_the_protocols_and_zeros_own_objects_fit_them
     from zero import api
     from zero.comm.backend import TorchBackend
     from zero.comm.flat_collectives import FlatCollectives
-    from zero.comm.quantized import QuantizedWeights
+    from zero.features.quantized import QuantizedWeights
     from zero.core.flat import FlatLayout
     from zero.core.rows import RowsLayout
     from zero.core.schedule import Schedule
     from zero.core.whole import WholeLayout
-    from zero.offload import CPUOffload, OnDevice
+    from zero.features.offload import CPUOffload, OnDevice
 
     chapter = open(os.path.join(ROOT, "notes", "15-where-ideas-go.md")).read()
     protocols = [n for n, v in vars(api).items() if isinstance(v, type) and

@@ -1,4 +1,4 @@
-"""``python -m zero trace``: the narrated step prints every collective of the step, and the
+"""``python -m zerolab trace``: the narrated step prints every collective of the step, and the
 outputs the chapters quote (notes/figures/trace_stage{1,2,3}.txt) are what it prints today.
 
 The first column of a trace is the time in ms, which differs from run to run; everything
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-import zero.__main__
+import zerolab.__main__
 from zerolab.trace import narrate, trace
 
 FIGURES = os.path.join(os.path.dirname(__file__), "..", "notes", "figures")
@@ -54,15 +54,15 @@ def test_the_trace_prints_every_gather_and_reduce_scatter_and_matches_its_figure
     path = os.path.join(FIGURES, f"trace_stage{stage}.txt")
     committed = open(path).read().splitlines()
     assert without_times(committed) == without_times(lines), (
-        f"{path} is stale: python -m zero trace --stage {stage} > {path}")
+        f"{path} is stale: python -m zerolab trace --stage {stage} > {path}")
 
 
 def test_the_command_line(capsys, monkeypatch):
     monkeypatch.setenv("ZERO_CHECK", "0")
     with pytest.raises(SystemExit) as exit:
-        zero.__main__.main(["trace", "--dim", "30"])
+        zerolab.__main__.main(["trace", "--dim", "30"])
     assert exit.value.code == 2 and "multiple of 4" in capsys.readouterr().err
-    zero.__main__.main(["trace", "--stage", "2", "--layers", "1", "--world-size", "3"])
+    zerolab.__main__.main(["trace", "--stage", "2", "--layers", "1", "--world-size", "3"])
     out = capsys.readouterr().out
     assert "ZeRO-2: one training step of a GPT (1 blocks" in out
     assert "on 3 gloo ranks" in out and out.count("reduce-scatter issued") == 2

@@ -1,4 +1,4 @@
-"""zero.shard(model, auto_wrap_policy=..., sharding_strategy=...): FSDP1's one call (zero/wrap.py).
+"""zero.shard(model, auto_wrap_policy=..., sharding_strategy=...): FSDP1's one call (zero/features/wrap.py).
 
 The units must be the ones FSDP1 makes for the same policy (FSDP1 runs on CPU and gloo, so its
 own wrapping is the reference), and training must be what the same units applied by hand give.

@@ -1,8 +1,9 @@
-"""``python -m zero``: two tools.
+"""``python -m zero``: the package's one command.
 
     python -m zero export CKPT OUT.pt   # a zero.save checkpoint as one plain torch.save file
-    python -m zero trace --stage 3      # one training step on 2 local ranks, narrated
-    python -m zero plan --model M --world-size N   # each system's memory, bytes and time, predicted
+
+The bench's tools (a narrated training step, the plan for a model on a cluster) watch zero from
+the outside and live with the bench: ``python -m zerolab trace`` and ``python -m zerolab plan``.
 """
 
 from __future__ import annotations
@@ -13,38 +14,30 @@ import torch
 
 from zero import checkpoint
 
+_MOVED = {"trace": "python -m zerolab trace", "plan": "python -m zerolab plan"}
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero",
-                                     description="Tools for zero.save checkpoints, and a "
-                                                 "narrated training step.")
+                                     description="Write a zero.save checkpoint as one plain "
+                                                 "torch.save file. (A narrated step and the "
+                                                 "plan: python -m zerolab trace | plan)")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write one torch.save file of {name: full tensor}")
     ex.add_argument("checkpoint", help="a zero.save directory or any DCP checkpoint")
     ex.add_argument("out", help="the .pt file to write")
-    tr = sub.add_parser("trace", help="run one step of a small GPT on 2 local gloo ranks and "
-                                      "print every hook and collective in order")
-    from zerolab import trace  # the bench's: it watches zero from the outside
-
-    trace.add_arguments(tr)
-    pl = sub.add_parser("plan", help="predict each system's memory, traffic and step time for "
-                                     "a model on a cluster, from the real sharding on fake ranks")
-    from zerolab import plan
-
-    plan.add_arguments(pl)
-    args = parser.parse_args(argv)
-    if args.command == "trace":
-        trace.run(args, tr)
-        return
-    if args.command == "plan":
-        plan.run(args, pl)
-        return
+    args = list(argv) if argv is not None else None
+    command = (args if args is not None else __import__("sys").argv[1:])[:1]
+    if command and command[0] in _MOVED:
+        parser.exit(2, f"error: '{command[0]}' is the bench's: run {_MOVED[command[0]]} "
+                       "(the same arguments)\n")
+    parsed = parser.parse_args(args)
     try:
-        state = checkpoint.export(args.checkpoint, args.out)
+        state = checkpoint.export(parsed.checkpoint, parsed.out)
     except (OSError, RuntimeError, ValueError) as e:  # our errors say what to do: no traceback
         parser.exit(1, f"error: {e}\n")
     numel = sum(t.numel() for t in state.values() if torch.is_tensor(t))
-    print(f"wrote {args.out}: {len(state)} tensors, {numel:,} elements")
+    print(f"wrote {parsed.out}: {len(state)} tensors, {numel:,} elements")
 
 
 if __name__ == "__main__":

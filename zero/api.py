@@ -17,11 +17,11 @@ Layout        ``FlatLayout``, ``RowsLayout``,             ``zero/core/unit.py``,
 CommPolicy    ``FlatCollectives`` (``zero/comm/``),       ``zero/core/unit.py`` (gather),
               ``QuantizedWeights``, ``QuantizedGradients``  ``grads.py`` (reduce), ``config.py``
 OffloadPolicy ``OnDevice``, ``CPUOffload``                ``zero/core/unit.py``, ``grads.py``;
-              (``zero/offload.py``), ``DiskOffload``      the step hook; checkpoints
+              (``zero/features/offload.py``), ``DiskOffload``      the step hook; checkpoints
 Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/hooks.py``, ``root.py``;
                                                           ``zerolab/memory.py``
 Backend       ``TorchBackend`` (``zero/comm/backend.py``),  ``zero/comm/`` only
-              ``LoggingBackend`` (``zero/comm/logging_backend.py``)
+              ``LoggingBackend`` (``zero/features/logging_backend.py``)
 ============  ==========================================  ====================================
 """
 
@@ -75,7 +75,7 @@ class CommPolicy(Protocol):
 @runtime_checkable
 class OffloadPolicy(Protocol):
     """Where a unit's shards live, how they cross to the compute device, and the policy's
-    part of the optimizer step (``zero/offload.py``)."""
+    part of the optimizer step (``zero/features/offload.py``)."""
 
     on_device: bool  # the shard lives on the compute device (may sit inside the full buffer)
 

@@ -1,4 +1,4 @@
-"""``python -m zero plan``: which system does *my* model need on *my* cluster, and what will it cost?
+"""``python -m zerolab plan``: which system does *my* model need on *my* cluster, and what will it cost?
 
 For each system (DDP, ZeRO-1/2/3, FSDP2 with and without resharding; with ``--systems`` also
 our stage 3 with CPU offload, as HSDP, with hpZ, qwZ or qgZ) the plan trains one step of rank 0 of a *fake* process
@@ -29,7 +29,7 @@ a sum, so the step is cut into pieces where each block begins (``_Segments``), e
 extended on its own (the first two blocks', the last two's, those outside the blocks) and the
 largest taken. ``--exact`` runs every block instead (``notes/19-plan.md`` compares the two).
 
-    python -m zero plan --model benchmarks/configs/llama-3-8b.json --world-size 64 \\
+    python -m zerolab plan --model benchmarks/configs/llama-3-8b.json --world-size 64 \\
         --cluster dgx-h100 --mixed-precision --batch 1 --seq 4096 --json plan.json
 """
 

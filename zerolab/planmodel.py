@@ -1,4 +1,4 @@
-"""What ``python -m zero plan --model MODEL`` accepts, built into one shape the plan can run.
+"""What ``python -m zerolab plan --model MODEL`` accepts, built into one shape the plan can run.
 
 MODEL is one of:
 
@@ -114,7 +114,7 @@ class Planned(nn.Module):
 
     def units(self) -> list[nn.Module]:
         if self.policy is not None:
-            from zero.wrap import shared_outside, units_by_policy
+            from zero.features.wrap import shared_outside, units_by_policy
 
             units = units_by_policy(self.inner, self.policy)
             names = {m: n for n, m in self.inner.named_modules()}

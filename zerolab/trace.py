@@ -1,4 +1,4 @@
-"""One training step, narrated: ``python -m zero trace --stage 3`` (or 1, 2).
+"""One training step, narrated: ``python -m zerolab trace --stage 3`` (or 1, 2).
 
 A small GPT is sharded with ``zero.shard`` on 2 local gloo ranks and trained for one warm-up
 step; the next step is then told, in order, as rank 0 sees it: each unit's hooks (the four
@@ -315,7 +315,7 @@ def narrate(t: Trace) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The trace's flags (``python -m zero trace`` and ``python -m zerolab.trace``)."""
+    """The trace's flags (``python -m zerolab trace`` and ``python -m zerolab.trace``)."""
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
     parser.add_argument("--layers", type=int, default=2, help="GPT blocks, 1 to 16 (default 2)")
     parser.add_argument("--dim", type=int, default=32, help="width, a multiple of 4 (default 32)")
@@ -324,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m zerolab.trace``, the same as ``python -m zero trace``."""
+    """``python -m zerolab.trace``, the same as ``python -m zerolab trace``."""
     parser = argparse.ArgumentParser(prog="python -m zerolab.trace", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     run(parser.parse_args(argv if argv is not None else sys.argv[1:]), parser)

@@ -56,7 +56,7 @@ td { padding: .2em .6em; } input[type=range] { width: 100%; }
 </style></head><body>
 <h1>Who holds what, event by event</h1>
 <p>One training step of a GPT (2 blocks and a root) on 2 gloo ranks, rank 0's view, from the
-committed traces (<code>python -m zero trace --stage N</code>). Each unit is a box of its N
+committed traces (<code>python -m zerolab trace --stage N</code>). Each unit is a box of its N
 shards: the rank's own shard (dark) it always holds; the others (light) it holds while the
 unit's full parameters exist. The trace is rank 0's; rank 1 gathers and frees the same units
 at the same events, so it is drawn from the same trace with its own shard. The bars are the

@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zero import comm
-from zero.checkpoint import checks, reader
+from zero.checkpoint import reader, validate
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
 from zero.core import registry
-from zero.core.checks import state_dict_access
+from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 from zero.core.rows import local_tensor
 
@@ -216,7 +216,7 @@ def _optim_state(model: nn.Module, optimizer, units) -> dict:
 
 def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     names = first_names(model)
-    with state_dict_access():  # (refused to users: zero/torch_hooks.py)
+    with state_dict_access():  # (refused to users: zero/surface/attach.py)
         saved = optimizer.state_dict()  # keyed by position in the param groups
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}
@@ -286,9 +286,9 @@ def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     """
     ckpt = ckdir.resolve(path)
     _check_out_file(out_file, path, ckpt)
-    meta, _ = checks.read_metadata(ckpt)
-    checks.check_has_model(ckpt, meta)
-    checks.check_files(ckpt, meta)
+    meta, _ = validate.read_metadata(ckpt)
+    validate.check_has_model(ckpt, meta)
+    validate.check_files(ckpt, meta)
     found = reader.Reader(ckpt, meta)
     try:
         found.prepare([i for i in meta.storage_data if meta.planner_data[i.fqn][0] == "model"])

@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.tensor import DTensor
 
 from zero import comm
-from zero.checkpoint import checks, reader, safe_pickle
+from zero.checkpoint import reader, validate, safe_pickle
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.dcp import check_optimizer, entries_of, first_names, resident
 from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
 from zero.core import registry
-from zero.core.checks import state_dict_access
+from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 
 
@@ -88,8 +88,8 @@ def _checked(path: str, model, optimizer, units, entries):
     shapes = {k: registry.unit_of(t).layout.shapes[registry.index_of(t)] if registry.is_piece(t)
               else t.shape for k, t in entries.items()}
     ckpt = ckdir.resolve(path)
-    meta, fingerprint = checks.read_metadata(ckpt)
-    elementwise = checks.check_fits(ckpt, meta, shapes, optimizer is not None)
+    meta, fingerprint = validate.read_metadata(ckpt)
+    elementwise = validate.check_fits(ckpt, meta, shapes, optimizer is not None)
     # (an ignored parameter is whole on every rank: so is its state, loaded with the rest)
     elementwise = {n: ks for n, ks in elementwise.items() if registry.is_piece(entries[n])}
     found = reader.Reader(ckpt, meta)
@@ -306,5 +306,5 @@ def _load_optim(optimizer, names, saved_state: dict, pieces: dict, elementwise, 
         if kept or p in pieces:
             state[i] = {**kept, **pieces.get(p, {})}
     with state_dict_access(), resident(optimizer):
-        # (refused to users: zero/torch_hooks.py; DiskOffload: then written to its files)
+        # (refused to users: zero/surface/attach.py; DiskOffload: then written to its files)
         optimizer.load_state_dict({"state": state, "param_groups": groups})

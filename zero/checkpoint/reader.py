@@ -10,7 +10,7 @@ writes each record as a zip whose entries carry a CRC-32, but ``torch.load`` nev
 so a flipped bit in a tensor loads as a wrong number. Here:
 
 - ``Reader`` hands DCP the ``.metadata`` already read with the allow-list
-  (``zero/checkpoint/safe_pickle.py``) and checked (``zero/checkpoint/checks.py``); it opens
+  (``zero/checkpoint/safe_pickle.py``) and checked (``zero/checkpoint/validate.py``); it opens
   each data file of the resolved version once, a regular file (checked on the open file), and
   DCP reads through those open files only: deleting the version afterwards changes nothing,
   deleting it before fails by name. ``prepare`` checks every record a rank will read before
@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from zero.checkpoint import safe_pickle
-from zero.checkpoint.checks import open_regular
+from zero.checkpoint.validate import open_regular
 from zero.checkpoint.safe_pickle import ADVICE, UntrustedCheckpointError
 
 _DEPTH = 32  # a value stored as bytes: an option (a float, a tuple, a list of names)

@@ -40,7 +40,7 @@ computation that never ends, through the unpickler's own machinery.
   ``MetadataIndex`` of those; anything else is refused before it is hashed.
 Nothing else in an unpickler's work grows faster than the file: each opcode reads its own
 bytes and makes one object. What the objects say (sizes, paths) is checked by
-``zero/checkpoint/checks.py``, without printing them (a repr walks shared parts again too).
+``zero/checkpoint/validate.py``, without printing them (a repr walks shared parts again too).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def load_metadata(data: bytes, where: str):
 
     Raises ``UntrustedCheckpointError`` for anything else, or pickle's own error for a file
     that is not a pickle; what it returns, the caller still has to check
-    (``zero/checkpoint/checks.py``).
+    (``zero/checkpoint/validate.py``).
     """
     before = [(o, dict(vars(o))) for o in _SHARED]
     try:

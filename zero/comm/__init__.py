@@ -19,10 +19,9 @@ from zero.comm.collectives import (all_gather, all_gather_object, all_reduce, al
                                    broadcast, reduce_scatter)
 from zero.comm.context import CommContext
 from zero.comm.ledger import Ledger, Record
-from zero.comm.logging_backend import LoggingBackend
 from zero.comm.waits import CollectiveTimeout
 
 __all__ = ["AgreementTimeout", "CollectiveTimeout", "CommContext", "Disagreement", "Ledger",
-           "LoggingBackend", "Record", "agree", "all_gather", "all_gather_object", "all_reduce", "all_to_all",
+           "Record", "agree", "all_gather", "all_gather_object", "all_reduce", "all_to_all",
            "broadcast", "checking", "default_device", "raising_together", "reduce_scatter",
            "simulated"]

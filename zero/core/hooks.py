@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from zero.core import checks
+from zero.core import guards
 from zero.core.root import root_of
 from zero.core.state import ShardedState
 from zero.core.state import TrainingState as State
@@ -76,7 +76,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
         if unit.parent is None:
             root.begin_forward()  # reset what a failure left behind, agree, refresh
         unit.adopt_replaced()  # a parameter a client swapped in (setattr) since the last one
-        checks.converted_after_sharding(unit)
+        guards.converted_after_sharding(unit)
         if (unit.stage.keep_params and unit.sharded_state is ShardedState.UNSHARDED
                 and unit.shard_written()):
             unit.shard_changed()  # called on its own, not from the root's forward
@@ -102,7 +102,7 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
         return output  # activation-checkpoint recompute: backward still needs everything
     if unit.reshard_after_forward and torch.is_grad_enabled():
         root_of(unit).guard.exit()
-    checks.replaced_in_forward(unit)
+    guards.replaced_in_forward(unit)
     unit.use_sharded_params()
     unit.iteration.state = State.IDLE
     # A unit of several modules (zero.shard([a, b])) stays gathered until all have run.

@@ -25,7 +25,7 @@ from torch._C._autograd import (
     _top_saved_tensors_default_hooks,
 )
 
-from zero.core import checks
+from zero.core import guards
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -75,6 +75,6 @@ class Guard:
 
     def _unpack(self, saved):
         if isinstance(saved, _Saved):
-            checks.freed_in_backward(saved.unit)
+            guards.freed_in_backward(saved.unit)
             return saved.tensor
         return saved

@@ -82,7 +82,7 @@ class Iteration:
 
 @dataclass
 class Controls:
-    """The user's settings for a unit, FSDP2's controls (``zero/controls.py``, ``no_sync``,
+    """The user's settings for a unit, FSDP2's controls (``zero/surface/controls.py``, ``no_sync``,
     ``fully_shard``'s methods) and ``zero.shard``'s arguments that may change later."""
 
     reshard_after_forward: bool | None = None  # stage 3; None: decided by the unit's role

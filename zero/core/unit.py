@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from zero.comm.flat_collectives import DEFAULT as EXACT
-from zero.core import checks, registry
+from zero.core import guards, registry
 from zero.core.config import MeshInfo, UnitConfig
 from zero.core.grads import Gradient
 from zero.core.param import ShardedParam
@@ -322,7 +322,7 @@ class Unit:
         return self.stepped or self._versions() != self._seen_version
 
     def mark_stepped(self) -> None:
-        """An optimizer stepped this unit's parameters (``zero/torch_hooks.py``), on this rank
+        """An optimizer stepped this unit's parameters (``zero/surface/attach.py``), on this rank
         whether or not it holds any of their elements: the next forward refreshes it."""
         if self.unsharded.requires_grad:  # (frozen units are never stepped)
             self.stepped = True
@@ -380,7 +380,7 @@ class Unit:
             sp.use_sharded()
 
     def __deepcopy__(self, memo):
-        checks.deepcopy(self)
+        guards.deepcopy(self)
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """A floating-point forward input, in the compute dtype (mixed precision)."""

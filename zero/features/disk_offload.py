@@ -1,6 +1,6 @@
 """Disk offload (ZeRO-Infinity's NVMe tier, on any file system): the optimizer state in files.
 
-ZeRO-Offload (``zero/offload.py``) frees the accelerator of the model states and puts them on
+ZeRO-Offload (``zero/features/offload.py``) frees the accelerator of the model states and puts them on
 the host; ZeRO-Infinity (Rajbhandari et al., "ZeRO-Infinity: Breaking the GPU Memory Wall for
 Extreme Scale Deep Learning", SC21) goes one tier further, and this file takes its largest
 part there: the optimizer state (AdamW's two moments, 8 bytes a parameter against the shard's
@@ -10,7 +10,7 @@ shards and their gradients stay on the host, as with CPU offload, and the step r
 torch's optimizers step a whole parameter group in one call and read every parameter's state
 first (AdamW's ``_init_group``), so the step is split here, unit by unit. This policy owns
 that part of the step (``before_step``, called by zero's step pre-hook on the optimizer,
-``zero/torch_hooks.py``, which runs after the user's own pre-hooks: a warm-up that sets this
+``zero/surface/attach.py``, which runs after the user's own pre-hooks: a warm-up that sets this
 step's lr has set it before any unit is stepped)::
 
     opt.step():  user's pre-hooks
@@ -23,7 +23,7 @@ step's lr has set it before any unit is stepped)::
 
 Stepping a unit's parameters apart from the rest computes, parameter by parameter, what one
 call computes: every optimizer that zero steps on pieces updates each parameter on its own
-(``zero/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
+(``zero/core/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
 in-memory run (tests/test_disk_offload.py). What is read and written is counted in the ledger
 ("read" and "write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say
 how much state the store holds in memory. The files are this store's own: a fresh directory
@@ -45,9 +45,9 @@ import torch
 
 from zero.comm import ledger
 from zero.core import registry
-from zero.offload import CPUOffload
-from zero.optimizers import ELEMENTWISE
-from zero.state_files import StateFileError, StateFiles
+from zero.features.offload import CPUOffload
+from zero.core.optimizers import ELEMENTWISE
+from zero.features.disk_files import StateFileError, StateFiles
 
 ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit's buffer
 
@@ -143,7 +143,7 @@ class StateStore:
     """
 
     def __init__(self, directory: str):
-        self.disk = StateFiles(directory)  # checked writes and reads (zero/state_files.py)
+        self.disk = StateFiles(directory)  # checked writes and reads (zero/features/disk_files.py)
         self.root = self.disk.root
         self.unwritten: dict = {}  # unit -> its buffer, whose write the disk refused
         self.index: dict = {}  # unit -> [(param, key, dtype, shape, offset)]

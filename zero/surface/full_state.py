@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zero import agreement, comm
-from zero.core.checks import state_dict_access
+from zero import comm
+from zero.core import same_model
+from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 
 
@@ -74,7 +75,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         names = list(model.named_parameters())  # (the views, filled)
         if not broadcast_from_rank0:
             try:
-                agreement.check_same_values(names, group, ctx)
+                same_model.check_same_values(names, group, ctx)
             except ValueError as e:
                 raise ValueError(
                     f"zero.load_full_state_dict: {e}. If the state dict was read on rank 0 "
@@ -86,7 +87,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     if broadcast_from_rank0:
         for unit, flat in fulls.items():  # (N*S,) rank 0's -> every rank's, unit by unit
             comm.broadcast(flat, src=0, group=group, unit=unit.name, phase="other", ctx=ctx)
-        agreement.take_rank0_values([model], [], group, ctx)  # the buffers
+        same_model.take_rank0_values([model], [], group, ctx)  # the buffers
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():

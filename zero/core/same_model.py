@@ -21,7 +21,7 @@ AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and ca
           "in the same order, with the same arguments, on every rank")
 
 
-def same_model(desc: list, group, ctx) -> None:
+def check_same_description(desc: list, group, ctx) -> None:
     """Agree on ``desc`` (zero.shard's description of a unit); raise naming the first
     difference, on every rank, if the ranks' differ."""
     try:

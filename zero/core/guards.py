@@ -15,7 +15,7 @@ from zero.core.rows import local_tensor
 
 # How many of zero's own helpers are reading or writing state dicts right now, in this
 # thread: they put full tensors (or FSDP2's DTensors) in place first, so the guards on
-# ``state_dict()`` / ``load_state_dict()`` (``zero/torch_hooks.py``) let them through.
+# ``state_dict()`` / ``load_state_dict()`` (``zero/surface/attach.py``) let them through.
 _STATE_DICT_ACCESS: contextvars.ContextVar[int] = contextvars.ContextVar("zero_state_dicts",
                                                                          default=0)
 

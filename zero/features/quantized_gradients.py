@@ -37,7 +37,7 @@ import torch
 from zero.comm import backend, collectives
 from zero.comm.context import context_of
 from zero.comm.flat_collectives import FlatCollectives
-from zero.comm.quantized import dequantize_rows, quantize_rows
+from zero.features.quantized import dequantize_rows, quantize_rows
 
 BLOCK = 128  # elements per scale (ours; 4 bits resolve less than 8, so blocks are smaller)
 LEVELS = 7  # symmetric 4-bit: -7..7 (the 16th code is unused)

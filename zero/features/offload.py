@@ -80,7 +80,7 @@ class CPUOffload:
         return torch.device("cpu")
 
     def check(self, layout) -> None:
-        """Raise if this policy cannot serve units of ``layout`` (a ``zero.policies`` layout)."""
+        """Raise if this policy cannot serve units of ``layout`` (a ``zero.surface.policies`` layout)."""
 
     def pinned(self, compute: torch.device) -> bool:
         return self.pin_memory and compute.type != "cpu"
@@ -92,7 +92,7 @@ class CPUOffload:
 
     def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
         """This policy's part of ``opt.step()`` over ``units``: none, the optimizer steps the
-        host shards as usual (disk offload steps them itself: ``zero/disk_offload.py``)."""
+        host shards as usual (disk offload steps them itself: ``zero/features/disk_offload.py``)."""
         return None
 
     def resident(self, optimizer, units: list):

@@ -11,7 +11,7 @@ results; each way in gets a hook that either does the right thing or raises, nam
   the shard the step is about to write, refuses the replaced originals (built before
   sharding) and an optimizer that would compute something else on the pieces a layout gives
   it, and lets each unit's offload policy take its part of the step (disk offload steps unit
-  by unit: ``zero/disk_offload.py``). The post-hook marks the units it stepped, on every
+  by unit: ``zero/features/disk_offload.py``). The post-hook marks the units it stepped, on every
   rank, even one that holds none of a unit's elements;
 - the original parameters: a module outside the sharded model that shares one would train
   it on each rank alone; a gradient reaching an original raises;
@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
 from zero.core import registry
-from zero.core.checks import state_dict_access_granted
-from zero.optimizers import NO_LAYOUT, WHOLE_TENSOR, ELEMENTWISE
+from zero.core.guards import state_dict_access_granted
+from zero.core.optimizers import NO_LAYOUT, WHOLE_TENSOR, ELEMENTWISE
 
 
 def replace(params, unit, names) -> None:

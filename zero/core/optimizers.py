@@ -4,7 +4,7 @@ A layout gives each rank's optimizer pieces of parameters (``flat``: 1-D runs; `
 of each parameter's rows) or whole parameters (``whole``). An optimizer that updates each
 element on its own computes on a piece exactly what it computes on the whole tensor; one that
 reads a parameter as a whole does not. These tables are read by the step hooks
-(``zero/torch_hooks.py``) and by disk offload (``zero/disk_offload.py``), which steps the
+(``zero/surface/attach.py``) and by disk offload (``zero/features/disk_offload.py``), which steps the
 optimizer unit by unit and may do so only for an elementwise one.
 """
 

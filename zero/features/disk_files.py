@@ -1,6 +1,6 @@
 """Disk offload's files: every write checked complete, every read checked, nothing left behind.
 
-The optimizer state disk offload keeps (``zero/disk_offload.py``) is the only copy there is,
+The optimizer state disk offload keeps (``zero/features/disk_offload.py``) is the only copy there is,
 so its files are held to what a checkpoint is held to:
 
 - a write that the disk cuts short (a full disk, a file-size limit) raises at once, naming

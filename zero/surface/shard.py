@@ -21,7 +21,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from zero import agreement, api, comm, torch_hooks, wrap
+from zero import api, comm
+from zero.core import same_model
+from zero.features import wrap
+from zero.surface import attach
 from zero.comm.context import CommContext
 from zero.comm.flat_collectives import FlatCollectives
 from zero.core import hooks, registry
@@ -30,8 +33,8 @@ from zero.core.config import HSDPMeshInfo, MeshInfo, UnitConfig
 from zero.core.stage import STAGES
 from zero.core.state import Controls
 from zero.core.unit import Unit
-from zero.offload import offload_from_torch
-from zero.policies import MixedPrecision, layout_class
+from zero.features.offload import offload_from_torch
+from zero.surface.policies import MixedPrecision, layout_class
 
 __all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
 
@@ -98,7 +101,7 @@ def shard(
             only. Otherwise every rank must hold the same values already: a fingerprint
             of them is compared, and ranks that differ raise (a model that is half
             random init trains silently otherwise).
-        layout: which rank holds which element (``zero.policies.LAYOUTS``): "flat" (the
+        layout: which rank holds which element (``zero.surface.policies.LAYOUTS``): "flat" (the
             default: the unit's parameters end to end, cut in N equal slices; each parameter
             shows this rank's 1-D piece), "rows" (FSDP2's: each parameter cut along dim 0,
             shown as a ``Shard(0)`` DTensor of its full shape), or "whole" (each parameter
@@ -108,18 +111,18 @@ def shard(
         auto_wrap_policy: one of ``torch.distributed.fsdp.wrap``'s policies
             (``ModuleWrapPolicy({Block})``, ``size_based_auto_wrap_policy``...): called once on
             the whole model, make a unit of every module FSDP1 would wrap, bottom-up, then of
-            the root (``zero/wrap.py``).
+            the root (``zero/features/wrap.py``).
         offload_policy: ``zero.CPUOffload()`` (or torch's ``CPUOffloadPolicy``): the shards,
             their gradients and the optimizer state live on the host, and ``opt.step()`` runs
-            there (ZeRO-Offload; ``zero/offload.py``); ``zero.DiskOffload(directory)``: and the
+            there (ZeRO-Offload; ``zero/features/offload.py``); ``zero.DiskOffload(directory)``: and the
             optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's disk
-            tier; ``zero/disk_offload.py``). None: on the compute device.
+            tier; ``zero/features/disk_offload.py``). None: on the compute device.
         prefetch: the root only: how many units to gather ahead of the one computing, in
             forward (the next ones to run) and in backward (the ones before it); 1 by default,
             as FSDP2 (``zero/core/schedule.py``).
         backend: the ``Backend`` every collective of this unit goes through (``zero/api.py``;
             default ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
-            ``zero.comm.logging_backend.LoggingBackend(path)`` writes each one to a file.
+            ``zero.features.logging_backend.LoggingBackend(path)`` writes each one to a file.
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
             (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
             of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
@@ -190,11 +193,11 @@ def shard(
         ("secondary_group", None if secondary_group is None else
          ctx.backend.world_size(secondary_group)))]
     desc.append(("values", any(p.is_meta for p in params), sync_module_states))
-    agreement.same_model(desc, all_group, ctx)
+    same_model.check_same_description(desc, all_group, ctx)
     if sync_module_states:
-        agreement.take_rank0_values(modules, params, all_group, ctx)
+        same_model.take_rank0_values(modules, params, all_group, ctx)
     elif not any(p.is_meta for p in params):  # (on the meta device: no values yet)
-        agreement.check_same_values(names, all_group, ctx)
+        same_model.check_same_values(names, all_group, ctx)
 
     # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
     # ever formed, reduced or stored for them (a LoRA model's frozen base weights).
@@ -223,13 +226,13 @@ def shard(
     for p in ignored_params or ():
         registry.mark_ignored(p)
     for u, replaced in zip(units, originals):
-        torch_hooks.replace(replaced, u, names)
+        attach.replace(replaced, u, names)
         u.use_sharded_params()
     for m in modules:
         registry.attach(m, units)
     for u in units:
         hooks.install(u)
-    torch_hooks.install(modules + [mod for locs in locations for mod, _ in locs])
+    attach.install(modules + [mod for locs in locations for mod, _ in locs])
     for u in units:
         if u.materialized:  # stages 1/2: every rank starts from the same full parameters
             u.shard_changed(phase="init")

@@ -15,7 +15,7 @@ does to a module, with ``zero.shard`` underneath:
 - each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; or 2-D, (replicate,
   shard): HSDP, parameters placed ``(Replicate(), Shard(0))`` as FSDP2's), ``reshard_after_forward`` (stage 3's; an int, FSDP2's reshard to a smaller
   group, is refused), ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or ours),
-  ``offload_policy`` (torch's ``CPUOffloadPolicy`` or ours: ``zero/offload.py``),
+  ``offload_policy`` (torch's ``CPUOffloadPolicy`` or ours: ``zero/features/offload.py``),
   ``ignored_params``, ``shard_placement_fn`` (``Shard(0)`` only), ``dp_mesh_dims`` (None
   only). ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
 
@@ -38,10 +38,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
-from zero import controls
+from zero.surface import controls
 from zero.core import registry
-from zero.policies import MixedPrecision
-from zero.shard import shard
+from zero.surface.policies import MixedPrecision
+from zero.surface.shard import shard
 
 _CLASSES: dict[type, type] = {}  # original class -> its FSDP<Class>
 
