@@ -15,7 +15,7 @@ and until it has run there, the CUDA path is untested. What it checks:
    and disk offload's (the optimizer state in files, the step on the host).
 
 Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
-runs the same code on the CPU with gloo and the small model (tests/test_device_check.py), so
+runs the same code on the CPU with gloo and the small model (tests/zerolab/test_device_check.py), so
 that the script itself is tested where there is no device.
 """
 

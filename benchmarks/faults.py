@@ -2,7 +2,7 @@
 
     python benchmarks/faults.py            # 2 CPU ranks, every case, about 3 minutes
 
-The suite runs tests/test_faults.py's misuse cases in check mode (every collective agreed on
+The suite runs tests/comm/test_faults.py's misuse cases in check mode (every collective agreed on
 first); users run the default mode, where only the forward's agreement and the bounded waits
 stand between a divergence and a hang. This script runs every case of that file, both of its
 tables, in the default mode (``ZERO_CHECK=0``, ``ZERO_TIMEOUT=4``), plus the cases whose
@@ -33,7 +33,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import test_faults  # noqa: E402  (the cases: tests/test_faults.py)
+import test_faults  # noqa: E402  (the cases: tests/comm/test_faults.py)
 
 import zero  # noqa: E402
 from zerolab.launch import RankError, RankTimeout, run_ranks  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
     print(f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores; torch "
           f"{torch.__version__}; {datetime.date.today()}")
     print(f"- `python benchmarks/faults.py`: {len(table)} cases on 2 gloo ranks "
-          f"(tests/test_faults.py's two tables, and {len(UNEVEN)} whose collectives differ in size)")
+          f"(tests/comm/test_faults.py's two tables, and {len(UNEVEN)} whose collectives differ in size)")
     print(f"- endings: " + ", ".join(f"{k} {counts[k]}" for k in ("named", "died", "silent", "hang")))
     print("\n| case | ending | what each rank said |\n|---|---|---|")
     print("\n".join(rows))

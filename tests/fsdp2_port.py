@@ -35,7 +35,7 @@ from zero.core.rows import local_tensor
 from zerolab.systems import average_gradients as average_grads  # DDP by hand
 
 # Our entry points: zero.shard at each stage, and zero.fully_shard (FSDP2's call, stage 3),
-# which the suite samples (tests/test_fully_shard.py tests it directly); ZERO_FULL=1 runs both.
+# which the suite samples (tests/surface/test_fully_shard.py tests it directly); ZERO_FULL=1 runs both.
 ZERO = ("zero1", "zero2", "zero3") + (("zero.fully_shard",) if FULL else ())
 ALL = ("ref", "fsdp2", *ZERO)
 

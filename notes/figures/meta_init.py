@@ -2,7 +2,7 @@
 
     python notes/figures/meta_init.py > notes/figures/meta_init.txt
 
-The model is tests/test_scale.py's (GPT, 8 blocks, dim 64, vocab 64, seq 16), stage 3, with
+The model is tests/zerolab/test_scale.py's (GPT, 8 blocks, dim 64, vocab 64, seq 16), stage 3, with
 GPT-2's init (zerolab.models.gpt_init). Part 1 compares zero.init_parameters with "build on the
 CPU, call gpt_init on every module in model.modules() order, then shard", and with two ways of
 getting it wrong. Part 2 follows the bytes a rank holds beyond its shards, module by module.

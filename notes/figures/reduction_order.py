@@ -2,7 +2,7 @@
 
     python notes/figures/reduction_order.py > notes/figures/reduction_order.txt
 
-Part 1 is tests/test_equality.py's ``_reduction_order_bound`` (same models, seed, data,
+Part 1 is tests/core/test_equality.py's ``_reduction_order_bound`` (same models, seed, data,
 SGD with momentum, 5 steps, the same max_relative_difference) with FSDP2 vs DDP added.
 Part 2 runs AdamW at world size 3 and finds the element that drifts most. Part 3 compares
 ours with FSDP1 (``FullyShardedDataParallel``, flat parameters like ours) on the same units.

@@ -2,7 +2,7 @@
 
     python notes/figures/stage1.py > notes/figures/stage1.txt
 
-The model is tests/test_memory.py's GPT (8 blocks of dim 64, vocab 64, seq 16; 9 units) on
+The model is tests/core/test_memory.py's GPT (8 blocks of dim 64, vocab 64, seq 16; 9 units) on
 2 gloo ranks, AdamW, batch 2; rank 0's view after one warm-up step.
 Part 1: per-category peaks by zerolab.trackers.ZeroMemTracker, fp32 and bf16/fp32 mixed precision,
 beside the paper's formula; in bytes, and in bytes per parameter (per Ψ). The tracker calls
@@ -25,7 +25,7 @@ from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig
 
 WORLD_SIZE = 2
-CONFIG = GPTConfig(layers=8, dim=64, vocab=64, seq=16)  # tests/test_memory.py's model
+CONFIG = GPTConfig(layers=8, dim=64, vocab=64, seq=16)  # tests/core/test_memory.py's model
 BF16 = zero.MixedPrecision(torch.bfloat16, torch.float32)
 
 

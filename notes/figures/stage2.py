@@ -6,9 +6,9 @@ parameters, no_sync.
 All on 2 gloo ranks, rank 0's view, AdamW.
 Part 1: how often a unit's forward runs and how often the post-accumulate-grad hook on its
 flat leaf fires per backward, for a plain GPT, a GPT whose first block is called twice, and
-activation checkpointing inside / around each block (tests/test_features.py's variants).
-Part 2: tests/test_memory.py's model (8 blocks of dim 64): the gradients' peak and the
-model states' (ZeroMemTracker), beside tests/test_memory.py's bound and zerolab.memory.schedule.
+activation checkpointing inside / around each block (tests/features/test_features.py's variants).
+Part 2: tests/core/test_memory.py's model (8 blocks of dim 64): the gradients' peak and the
+model states' (ZeroMemTracker), beside tests/core/test_memory.py's bound and zerolab.memory.schedule.
 Part 3: a module with a frozen layer in front of a trainable one (sharded as two units, its
 trainable and its frozen parameters): the order of events in backward. Part 4: UnevenMLP (a frozen and an unused layer): which parameters get a gradient,
 and the one all-reduce that agrees on it. Part 5: two micro-batches, the first under no_sync.
@@ -92,7 +92,7 @@ def hook_counts(rank, n, mode):
 
 def gradient_peak(rank, n, stage):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/test_memory.py's model
+    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/core/test_memory.py's model
     for unit in model.units():
         zero.shard(unit, stage=stage)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -265,7 +265,7 @@ def main():
         cells = ", ".join(f"{k} {c}/{f}/{r}" for k, (c, f, r) in counts.items())
         print(f"  {mode:<11} {cells}")
 
-    print("\nPart 2: gradient bytes, tests/test_memory.py's model (8 blocks of dim 64), fp32\n")
+    print("\nPart 2: gradient bytes, tests/core/test_memory.py's model (8 blocks of dim 64), fp32\n")
     for stage in (1, 2):
         g = run_ranks(gradient_peak, WORLD_SIZE, stage)[0]
         full, unit, n = 4 * g["psi"], g["unit"], WORLD_SIZE
@@ -274,7 +274,7 @@ def main():
               f"{unit}; the root's {g['root']}")
         if stage == 2:
             bound = full / n + unit + unit / n + g["root"]
-            print(f"  tests/test_memory.py's bound full/N + one block + its shard + the root's "
+            print(f"  tests/core/test_memory.py's bound full/N + one block + its shard + the root's "
                   f"full gradient = {bound:.0f}: measured / bound = {g['tracker'] / bound:.3f}")
         paper = model_state_bytes(g["psi"], n, stage=stage, mixed_precision=False)
         sch = g["schedule"]

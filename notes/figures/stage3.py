@@ -8,7 +8,7 @@ Part 1: the ledger of one step of a GPT with 4 blocks (dim 32): each collective 
 moment it was issued (Record.time) to the moment rank 0's wait() for it returned
 (Record.done), beside each unit's forward and backward (zerolab.trace watches the hooks); the
 PNG draws it. Part 2: each unit's unsharded storage right after its forward, and the most
-units unsharded at once. Part 3: tests/test_memory.py's model (8 blocks of dim 64):
+units unsharded at once. Part 3: tests/core/test_memory.py's model (8 blocks of dim 64):
 model-state bytes against the paper's 16Ψ/N and zerolab.memory.schedule. Part 4: bf16
 parameters / fp32 reduction: the ledger's dtypes, and FSDP2 side by side for 3 steps.
 Part 5: collectives per unit with activation checkpointing and with a unit called twice.
@@ -33,7 +33,7 @@ from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 
 WORLD_SIZE = 2
 TIMELINE = GPTConfig(layers=4)  # dim 32, vocab 96, seq 16
-MEMORY = GPTConfig(layers=8, dim=64, vocab=64, seq=16)  # tests/test_memory.py's model
+MEMORY = GPTConfig(layers=8, dim=64, vocab=64, seq=16)  # tests/core/test_memory.py's model
 PNG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stage3_ledger_timeline.png")
 warnings.filterwarnings("ignore")
 
@@ -268,7 +268,7 @@ def main():
     m = run_ranks(memory, WORLD_SIZE)[0]
     psi, n = m["psi"], WORLD_SIZE
     formula = model_state_bytes(psi, n, stage=3, mixed_precision=False)
-    print(f"\nPart 3: model states, tests/test_memory.py's model (Ψ = {psi}), fp32\n")
+    print(f"\nPart 3: model states, tests/core/test_memory.py's model (Ψ = {psi}), fp32\n")
     print(f"  paper (4 + 4 + 8) Ψ / N = {formula:.0f} bytes = {formula / psi:.3f} bytes/Ψ")
     print(f"  measured, without transients (ZeroMemTracker.model_states_peak): {m['kept']} = "
           f"{m['kept'] / psi:.3f} bytes/Ψ (params {m['kept_param']}, grads {m['kept_grad']}, "

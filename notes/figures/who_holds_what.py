@@ -3,14 +3,14 @@
     python notes/figures/who_holds_what.py      # writes notes/figures/who_holds_what.html
 
 The data are the committed traces, trace_stage1.txt to trace_stage3.txt (``python -m zero
-trace --stage N``, a real run on 2 gloo ranks, which tests/test_trace.py holds to a fresh
+trace --stage N``, a real run on 2 gloo ranks, which tests/zerolab/test_trace.py holds to a fresh
 one): for every event, the parameter and gradient bytes rank 0 holds just after it, and the
 units whose full parameters exist. The page draws them, one frame per event: for each rank,
 each unit as a box of N shards, this rank's own always held and the others filled while the
 unit's full parameters exist, and two bars for the bytes. The trace is rank 0's; every rank
 gathers and frees the same units at the same events (the collectives are symmetric), so
 rank r is drawn from it with its own shard r. It is one file with
-no network access: open it in any browser. tests/test_notes.py rebuilds it and compares.
+no network access: open it in any browser. tests/notes/test_notes.py rebuilds it and compares.
 """
 
 import json

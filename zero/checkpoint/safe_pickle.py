@@ -89,7 +89,7 @@ _DTYPES = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 # What DCP's .metadata holds (torch 2.13), as (module, name) -> the object handed out. From
 # torch/distributed/checkpoint/metadata.py and filesystem.py, checked against the .metadata
 # written by zero.save and by FSDP2 (dcp.save of get_state_dict), AdamW and SGD
-# (tests/test_checkpoint_security.py). Containers, strings, numbers, bools and None need no
+# (tests/checkpoint/test_checkpoint_security.py). Containers, strings, numbers, bools and None need no
 # import: pickle has opcodes for them.
 ALLOWED: dict[tuple[str, str], object] = {
     # the dataclasses a Metadata is made of

@@ -12,7 +12,7 @@ A parameter may straddle shards, so what rank r holds of parameter i is a *piece
 contiguous run of p_i's flattened elements. Each parameter has at most one piece per rank
 (the intersection of two intervals), and the pieces of all ranks tile each parameter exactly.
 
-Everything here is pure tensor code with no collectives: ``tests/test_flat.py`` checks the
+Everything here is pure tensor code with no collectives: ``tests/core/test_flat.py`` checks the
 layout with hypothesis on shapes and world sizes.
 
 [Note: the layout interface] Who holds which element of a unit is a policy: this file's flat

@@ -24,7 +24,7 @@ step's lr has set it before any unit is stepped)::
 Stepping a unit's parameters apart from the rest computes, parameter by parameter, what one
 call computes: every optimizer that zero steps on pieces updates each parameter on its own
 (``zero/core/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
-in-memory run (tests/test_disk_offload.py). What is read and written is counted in the ledger
+in-memory run (tests/features/test_disk_offload.py). What is read and written is counted in the ledger
 ("read" and "write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say
 how much state the store holds in memory. The files are this store's own: a fresh directory
 under the one given, removed when the optimizer is; nothing else there is touched. Each

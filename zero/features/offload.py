@@ -20,7 +20,7 @@ here, disk offload's is all of it) and a checkpoint for the state in memory (``r
 No offload is a policy too, ``OnDevice``, so the mechanism never asks whether there is one.
 On a machine without an accelerator host and device are the same memory: the copies still
 happen and are counted, and training is bitwise the same as without offload
-(tests/test_offload.py).
+(tests/features/test_offload.py).
 """
 
 from __future__ import annotations

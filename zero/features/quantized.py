@@ -12,7 +12,7 @@ plus one fp32 scale per block, and dequantizes after::
 Only what is sent is lossy: the fp32 master shard, the gradients and the optimizer step are
 untouched; every rank computes with the same dequantized weights (its own shard's too). Each
 element is off by at most half a step, its block's largest magnitude over 254
-(tests/test_quantized.py holds the bound). Bytes: (N-1)/N * (N*S + 4*N*S/B) per all-gather,
+(tests/features/test_quantized.py holds the bound). Bytes: (N-1)/N * (N*S + 4*N*S/B) per all-gather,
 against 2*(N-1)/N * N*S for bf16.
 
 A communication policy (``zero/comm/flat_collectives.py``): ``zero.shard(...,

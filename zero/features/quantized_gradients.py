@@ -23,7 +23,7 @@ scales) and one chunk's working copy (1/g of the gradient). Across nodes that is
 ranks sending M/4 in all, M the fp16 gradient's bytes (the paper's 0.25M), less (n-1)/n, plus
 the scales. Error: symmetric 4-bit (levels -7..7) is within half a step, a block's largest
 magnitude over 14, at each hop; so each element of the sum is within (sum over ranks of the
-block's largest magnitude) / 7, plus fp32 rounding (tests/test_quantized_gradients.py).
+block's largest magnitude) / 7, plus fp32 rounding (tests/features/test_quantized_gradients.py).
 
 A communication policy: ``zero.shard(..., comm_policy=QuantizedGradients(mesh))`` with the
 unit sharded over all of the mesh's ranks (``group`` the world, or the mesh's ranks). The

@@ -14,7 +14,7 @@ import pytest
 import zerolab.__main__
 from zerolab.trace import narrate, trace
 
-FIGURES = os.path.join(os.path.dirname(__file__), "..", "notes", "figures")
+FIGURES = os.path.join(os.path.dirname(__file__), "..", "..", "notes", "figures")
 TIME = re.compile(r"^ *\d+\.\d\d  ")  # the ms column
 
 

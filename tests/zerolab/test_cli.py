@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import argtypes  # noqa: E402
 import compare_stages  # noqa: E402
 import simulate  # noqa: E402

@@ -1,7 +1,7 @@
 """Fuzzing a real ``.metadata``: single-bit flips and structured mutations, each loaded in a
-fresh process under an address-space limit (tests/test_checkpoint_security.py's probe).
+fresh process under an address-space limit (tests/checkpoint/test_checkpoint_security.py's probe).
 
-    python tests/test_checkpoint_fuzz.py 2000 500    # flips, mutations; a table of outcomes
+    python tests/checkpoint/test_checkpoint_fuzz.py 2000 500    # flips, mutations; a table of outcomes
 
 Each probe runs ``zero.load`` (world size 1) and ``export`` on the damaged checkpoint. Allowed:
 a load bitwise equal to the undamaged one, or an error of a known type that names the

@@ -425,7 +425,7 @@ def test_the_default_mode_matrix_tells_a_named_error_from_a_death():
     (the figures in notes/13). Two of its cases, checked here: a misuse every rank names, and
     collectives of different sizes, where gloo kills the receiving process (SIGABRT) from its
     own thread; the day gloo raises instead, this fails and the chapter must change."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     import faults
 
     assert faults.run_case("model.double() after sharding")[0] == "named"

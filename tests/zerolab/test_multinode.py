@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import multinode  # noqa: E402
 
 SYSTEMS = ["ddp", "zero1", "zero2", "zero3"]  # torch's own systems need no multi-node check of ours

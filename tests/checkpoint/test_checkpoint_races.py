@@ -4,7 +4,7 @@ raise naming why; none may mix two.
 
 Every value the saving job writes in version k is k (parameters, optimizer state, its step),
 so a load that mixed two versions shows two numbers. The suite runs ``LOADS`` loads;
-``python tests/test_checkpoint_races.py 100`` runs more and prints the outcomes.
+``python tests/checkpoint/test_checkpoint_races.py 100`` runs more and prints the outcomes.
 """
 
 import collections

@@ -136,7 +136,7 @@ def test_simulated_hsdp_sends_only_shards_across_nodes():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     import simulate
 
     r = simulate.simulate(2e7, 16, 3, hybrid="hsdp", ranks_per_node=8)

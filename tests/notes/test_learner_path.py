@@ -1,7 +1,7 @@
 """The learner's path: the pages render, the commands run as the text says, and the numbers a
 page quotes are the ones its command prints (issue 34).
 
-Kept beside tests/test_notes.py, which holds the notes' code links and figures.
+Kept beside tests/notes/test_notes.py, which holds the notes' code links and figures.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DELIMITER = re.compile(r"\s*\|?(\s*:?-{3,}:?\s*\|)+\s*(:?-{3,}:?)?\s*")
 
 

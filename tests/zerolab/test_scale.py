@@ -14,7 +14,7 @@ from zerolab.memory import model_state_bytes
 from zerolab.trackers import PeakMemTracker
 from zerolab.models import GPT, GPTConfig, UnevenMLP, gpt_init
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import simulate  # noqa: E402
 
 

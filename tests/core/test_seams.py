@@ -26,7 +26,7 @@ from zerolab.memory import schedule
 from zerolab.models import GPT, GPTConfig
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _gpt(stage, layers=4, prefetch=1, **kw):

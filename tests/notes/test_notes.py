@@ -13,7 +13,7 @@ file under notes/:
    character for character (``[`grad.to(self.reduce_dtype)`](../zero/core/grads.py#L82)``).
 
 So a label can never be a file name with a line number attached: say which statement.
-After code moves, ``python tests/test_notes.py --fix`` re-points the links that break the
+After code moves, ``python tests/notes/test_notes.py --fix`` re-points the links that break the
 rule to the line that satisfies it (a definition's line; the nearest line holding the
 fragment), in another file if its own no longer holds it (a file renamed or split: the one
 file that defines the label, or that holds the fragment), and lists those it cannot place.
@@ -39,7 +39,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LINK = re.compile(r"\[(`[^`\n]+`|[^\[\]`\n]+)\]\(((?:\.\./)+)([\w/.-]+\.py)#L(\d+)\)")
 
 
@@ -113,7 +113,7 @@ def test_every_code_link_names_the_line_it_lands_on():
         why = problem(label, target(chapter, ups, path), line)
         if why:
             bad.append(f"{os.path.relpath(chapter, ROOT)}: [{label}]({ups}{path}#L{line}): {why}")
-    assert checked > 200 and not bad, "\n".join(bad + ["(python tests/test_notes.py --fix)"])
+    assert checked > 200 and not bad, "\n".join(bad + ["(python tests/notes/test_notes.py --fix)"])
 
 
 def test_the_rule_catches_a_link_one_line_off():
@@ -140,7 +140,7 @@ def test_the_rule_catches_a_link_one_line_off():
 # ---- the figures' committed outputs ------------------------------------------------------
 
 RERUN = "rerun"  # cheap and deterministic: rerun and compared character for character
-SCHEDULE = ("its model-state peaks are zerolab.memory.schedule's, which tests/test_memory.py "
+SCHEDULE = ("its model-state peaks are zerolab.memory.schedule's, which tests/core/test_memory.py "
             "holds to the measured peak, to the byte (test_memory_figures_quote_the_schedule); "
             "a run takes 10-20 s")
 FIGURES = {
@@ -154,9 +154,9 @@ FIGURES = {
     "ledger_stage3": RERUN,
     "traffic_by_system": "its rows for our stages are ring accounting over the units' sizes "
                          "(test_traffic_figure_quotes_ring_accounting); a run takes 5-8 s",
-    "trace_stage1": "tests/test_trace.py: a fresh trace, but for its ms column",
-    "trace_stage2": "tests/test_trace.py: a fresh trace, but for its ms column",
-    "trace_stage3": "tests/test_trace.py: a fresh trace, but for its ms column",
+    "trace_stage1": "tests/zerolab/test_trace.py: a fresh trace, but for its ms column",
+    "trace_stage2": "tests/zerolab/test_trace.py: a fresh trace, but for its ms column",
+    "trace_stage3": "tests/zerolab/test_trace.py: a fresh trace, but for its ms column",
     "stage1": SCHEDULE + "; Part 2's times vary from run to run",
     "stage2": SCHEDULE,
     "stage3": SCHEDULE + "; Part 1's times vary from run to run",
@@ -165,9 +165,9 @@ FIGURES = {
     "check_mode_cost": "timings only: milliseconds per step on this machine",
     "gloo_collectives": "timings only, of torch's gloo: no code of ours",
     "fp_arithmetic": "float32 facts and torch's DDP, no code of ours; 15 s",
-    "clip_norm": "35 s; tests/test_equality.py holds its claims (inf-norm bitwise, the 2-norm "
+    "clip_norm": "35 s; tests/core/test_equality.py holds its claims (inf-norm bitwise, the 2-norm "
                  "within 3e-7, parameters within 1e-6)",
-    "reduction_order": "45 s or more; tests/test_equality.py holds its claims (bitwise at "
+    "reduction_order": "45 s or more; tests/core/test_equality.py holds its claims (bitwise at "
                        "N = 2, within 1e-6 at N = 3 and 4)",
 }
 FIGURES_DIR = os.path.join(ROOT, "notes", "figures")
@@ -219,8 +219,8 @@ def test_the_animation_is_what_its_script_builds_today():
 
 def test_a_quoted_trace_is_the_committed_one():
     """The notes quote ``python -m zerolab trace`` whole once (chapter 5), as committed but for the
-    times (tests/test_trace.py holds the committed output to a fresh run); every other quote is
-    an excerpt, tests/test_learner_path.py's test_a_trace_excerpt_is_rows_of_the_committed_one."""
+    times (tests/zerolab/test_trace.py holds the committed output to a fresh run); every other quote is
+    an excerpt, tests/notes/test_learner_path.py's test_a_trace_excerpt_is_rows_of_the_committed_one."""
     times = re.compile(r"^ *\d+\.\d\d  ", re.M)
     quoted = 0
     for chapter in chapters():
@@ -242,7 +242,7 @@ def test_memory_figures_quote_the_schedule():
     from zerolab.memory import schedule
     from zerolab.models import GPT, GPTConfig
 
-    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/test_memory.py's
+    model = GPT(GPTConfig(layers=8, dim=64, vocab=64, seq=16))  # tests/core/test_memory.py's
     block = [p.shape for p in model.blocks[0].parameters()]
     root = [p.shape for name, p in model.named_parameters() if not name.startswith("blocks.")]
     units = [FlatLayout(root, 2).padded_numel] + [FlatLayout(block, 2).padded_numel] * 8
@@ -462,7 +462,7 @@ def test_a_core_section_sends_to_a_skipped_one_by_name():
     assert not bad, bad
 
 
-# ---- python tests/test_notes.py --fix: re-point links after code moved -------------------
+# ---- python tests/notes/test_notes.py --fix: re-point links after code moved -------------------
 
 def _place(label: str, full: str, line: int) -> int | None:
     code = label[1:-1] if label.startswith("`") and label.endswith("`") else None
@@ -532,4 +532,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--fix"]:
         fix()
     else:
-        sys.exit("usage: python tests/test_notes.py --fix   (the checks run under pytest)")
+        sys.exit("usage: python tests/notes/test_notes.py --fix   (the checks run under pytest)")

@@ -206,7 +206,7 @@ def test_the_plans_ddp_is_a_bare_run_plus_its_buckets_to_the_byte(tmp_path):
     pytest.importorskip("transformers")
     from zerolab.trackers import PeakMemTracker
 
-    bert = str(__import__("pathlib").Path(__file__).parent.parent / "benchmarks" / "configs"
+    bert = str(__import__("pathlib").Path(__file__).parent.parent.parent / "benchmarks" / "configs"
                / "tiny-bert.json")
     row = plan_json(tmp_path, "--model", bert, "--activation-checkpointing", "--systems", "ddp",
                     "--batch", "8", "--seq", "64", n=2)["ddp"]  # (its peak is in backward)
@@ -275,7 +275,7 @@ def test_plan_error_is_a_value_error():
 
 
 def _compare_stages():
-    sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..",
+    sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..",
                                                   "benchmarks"))
     import compare_stages
 

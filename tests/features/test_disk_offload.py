@@ -146,7 +146,7 @@ def test_a_step_disk_offload_cannot_split_is_refused(what, tmp_path):
 def test_disk_offload_trains_under_a_memory_limit_the_in_memory_run_exceeds():
     """benchmarks/disk_limit.py's three runs, each in a fresh interpreter: 8 units of 1024 x
     1024, AdamW's state 32 MiB a rank, the address space allowed to grow by 24 MiB."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     import disk_limit
 
     reference, in_memory, on_disk = disk_limit.measure(layers=8, dim=1024, budget_mib=24, steps=3)

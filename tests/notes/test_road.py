@@ -16,7 +16,7 @@ from harness import run_ranks
 from zero.core.flat import FlatLayout
 from zerolab.models import GPT, GPTConfig
 
-ROAD = os.path.join(os.path.dirname(__file__), "..", "notes", "road")
+ROAD = os.path.join(os.path.dirname(__file__), "..", "..", "notes", "road")
 sys.path.insert(0, ROAD)
 import common  # noqa: E402  (notes/road/common.py)
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-HERE = os.path.join(os.path.dirname(__file__), "..", "notes", "exercises")
+HERE = os.path.join(os.path.dirname(__file__), "..", "..", "notes", "exercises")
 sys.path.insert(0, HERE)
 import check  # noqa: E402  (notes/exercises/check.py)
 
@@ -171,7 +171,7 @@ def test_a_starting_file_is_its_road_step_with_a_todo(number):
 
 def test_the_predictions_are_the_traces_answers():
     """notes/exercises/solutions/predict.md answers from the committed traces (which
-    tests/test_trace.py holds to a fresh run): each number there is read here from them."""
+    tests/zerolab/test_trace.py holds to a fresh run): each number there is read here from them."""
     figures = os.path.join(HERE, "..", "figures")
     trace = {k: open(os.path.join(figures, f"trace_stage{k}.txt")).read() for k in (1, 2, 3)}
     answers = " ".join(open(os.path.join(HERE, "solutions", "predict.md")).read().split())

@@ -4,7 +4,7 @@ FSDP2's ``model.state_dict()`` holds each rank's DTensor shards and ``load_state
 them back. Ours refuses both on a sharded module (they would hand out this rank's 1-D pieces
 under the full names): the model's state goes through ``zero.full_state_dict`` /
 ``zero.load_full_state_dict`` (FSDP2's ``get_model_state_dict``/``set_model_state_dict`` with
-``full_state_dict=True``) or ``zero.save``/``zero.load`` (sharded, tests/test_checkpoint.py). So
+``full_state_dict=True``) or ``zero.save``/``zero.load`` (sharded, tests/checkpoint/test_checkpoint.py). So
 the round trip of torch's test is ported onto those, with the checks that matter: every key,
 the loaded values in place, and the next forward computing with them.
 """

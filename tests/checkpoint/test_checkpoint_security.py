@@ -388,7 +388,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.full  # 10 s; tests/test_checkpoint_fuzz.py runs a few probes, its script thousands
+@pytest.mark.full  # 10 s; tests/checkpoint/test_checkpoint_fuzz.py runs a few probes, its script thousands
 def test_fuzzed_checkpoints_give_a_clear_error_or_a_correct_load(saved, tmp_path):
     """Truncations, bit flips, random bytes and pickles of other objects (random data, attacks,
     DCP's classes holding nonsense) in .metadata and in the data files. Each example loads in

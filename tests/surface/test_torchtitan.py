@@ -10,7 +10,7 @@ checkpoint case saves with torchtitan's ``CheckpointManager`` after step 2 and r
 fresh model (initialised from another seed) to step 3.
 
 Skipped when torchtitan is not installed (``pip install -c .ci/constraints.txt -e
-".[titan]"``). The suite runs a sample; ``ZERO_TITAN_MATRIX=1 pytest tests/test_torchtitan.py``
+".[titan]"``). The suite runs a sample; ``ZERO_TITAN_MATRIX=1 pytest tests/surface/test_torchtitan.py``
 runs every stage with every precision, AC mode and model, reshard-never with gradient
 accumulation and tied embeddings, CPU offload (against FSDP2 without it: FSDP2's pins memory,
 which needs an accelerator), and checkpoints crossing between FSDP2 and zero.
@@ -25,7 +25,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is an optional extra: "
                     'pip install -c .ci/constraints.txt -e ".[titan]"')
 pytest.importorskip("triton", reason="torchtitan imports triton (its MoE token dispatcher)")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import torchtitan_example as titan  # noqa: E402
 from conftest import FULL
 from harness import run_ranks  # noqa: E402
