@@ -1,41 +1,122 @@
-"""Every seam of the mechanism, written down: what an object must have to be plugged in there.
+"""Every seam of the mechanism, written down: exactly what the mechanism calls, and how.
 
 FSDP2 keeps its policies and interfaces side by side in one file (``_fsdp_api.py``); these
-are ours. Each is a ``typing.Protocol``: a layout, a comm policy, an offload policy, a
-schedule or a backend is any object with these members, whatever its class. ``zero.shard``
-checks the objects it is given against them (``check``) and names what is missing, so a new
-idea is one new object, not a branch inside the core. notes/15-where-ideas-go.md says which
-seam each kind of idea goes through, and which files it touches.
+are ours. Each is a ``typing.Protocol`` listing the members the mechanism uses, with the
+signatures it calls them with: a layout, a comm policy, an offload policy, a schedule or a
+backend is any object with these members, whatever its class. ``zero.shard`` checks the
+objects it is given against them by signature (``check``) and names what differs, so a new
+idea is one new object, written from this file alone, not a branch inside the core
+(``tests/core/test_seam_toys.py`` writes one of each that way). notes/15-where-ideas-go.md
+says which seam each kind of idea goes through.
 
 Where each is used:
 
 ============  ==========================================  ====================================
-protocol      zero's own                                  read by
+protocol      zero's own                                  called from
 ============  ==========================================  ====================================
 Layout        ``FlatLayout``, ``RowsLayout``,             ``zero/core/unit.py``, ``grads.py``,
               ``WholeLayout`` (``zero/core/``)            ``hooks.py``; checkpoints; state dicts
 CommPolicy    ``FlatCollectives`` (``zero/comm/``),       ``zero/core/unit.py`` (gather),
               ``QuantizedWeights``, ``QuantizedGradients``  ``grads.py`` (reduce), ``config.py``
-OffloadPolicy ``OnDevice``, ``CPUOffload``                ``zero/core/unit.py``, ``grads.py``;
-              (``zero/features/offload.py``), ``DiskOffload``      the step hook; checkpoints
-Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/hooks.py``, ``root.py``;
+              (``zero/features/``)                        (HSDP's all-reduce)
+OffloadPolicy ``OnDevice``, ``CPUOffload``, ``DiskOffload``  ``zero/core/unit.py``, ``grads.py``;
+              (``zero/features/``)                        the step hooks; checkpoints
+Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/root.py``;
                                                           ``zerolab/memory.py``
-Backend       ``TorchBackend`` (``zero/comm/backend.py``),  ``zero/comm/`` only
-              ``LoggingBackend`` (``zero/features/logging_backend.py``)
+Backend       ``TorchBackend`` (``zero/comm/backend.py``),  ``zero/comm/context.py`` only
+              ``LoggingBackend`` (``zero/features/``)
 ============  ==========================================  ====================================
+
+Two more describe what a seam is handed: ``Comm``, the root's comm context (a comm policy
+issues its collectives through it: recorded in the ledger, waits bounded, through the root's
+backend), and ``UnitView``, what a schedule sees of a unit.
 """
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
+import torch.nn as nn
+
+# ---- values a layout returns -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Rank r's slice ``[offset, offset + size)`` of the unit's (N*S,) buffer."""
+
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``param_index`` that falls in one rank's shard: elements
+    ``[param_offset, param_offset + length)`` of the flattened parameter sit at
+    ``[shard_offset, shard_offset + length)`` of that rank's shard."""
+
+    param_index: int
+    param_offset: int
+    shard_offset: int
+    length: int
+
+
+# ---- what seams are handed -------------------------------------------------------------------
+
+
+class Work(Protocol):
+    """A collective in flight: its output is readable once ``wait()`` returns."""
+
+    def wait(self) -> Any: ...
+
+
+class Comm(Protocol):
+    """The root's comm context (``zero/comm/context.py``), as a policy sees it: each
+    collective is recorded in the ledger, agreed in check mode, bounded in its wait, and sent
+    through the root's backend. ``unit`` and ``phase`` name it in the ledger. With
+    ``async_op`` a handle is returned; without, the collective has ended on return."""
+
+    def rank(self, group=None) -> int: ...
+    def world_size(self, group=None) -> int: ...
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, group, unit: str,
+                   phase: str, async_op: bool = False) -> Any: ...
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, op: str, group,
+                       unit: str, phase: str, async_op: bool = False) -> Any: ...
+    def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
+                   async_op: bool = False) -> Any: ...
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, group, unit: str,
+                   phase: str, async_op: bool = False) -> Any: ...
+    def broadcast(self, tensor: torch.Tensor, *, src: int, group, unit: str, phase: str,
+                  async_op: bool = False) -> Any: ...
+
+
+class UnitView(Protocol):
+    """What a schedule or an offload policy sees of a unit: its name (its module path after
+    the first forward), its modules, and its sharded parameters (what the optimizer steps)."""
+
+    name: str
+    modules: list[nn.Module]
+    params: list[nn.Parameter]
+
+
+class Order(Protocol):
+    """The units of a root in the order their forward ran (``Root.order``)."""
+
+    units: list  # every unit under the root, in module order, the root first
+    this_iteration: list  # forward so far, this iteration (the unit asking is the last)
+    last_iteration: list  # the whole forward of the previous iteration
+
+
+# ---- the seams -------------------------------------------------------------------------------
 
 
 @runtime_checkable
 class Layout(Protocol):
-    """Which rank holds which element of a unit (``zero/core/flat.py``'s note). A layout class
-    is made from the parameters' shapes and the world size: ``Layout(shapes, world_size)``."""
+    """Which rank holds which element of a unit (``zero/core/flat.py``'s note). A layout is a
+    class, made by the mechanism from the parameters' shapes and the world size."""
 
     name: str  # for messages only: the mechanism never tests it
     copies: bool  # the gathered (N*S,) buffer must be copied into the compute buffer
@@ -46,11 +127,10 @@ class Layout(Protocol):
     padded_numel: int  # N*S: the all-gather's buffer
     shard_numel: int  # S: one rank's slot of it
 
-    def shard(self, rank: int) -> Any: ...  # the rank's ``ShardInfo(offset, size)``
-    def pieces(self, rank: int) -> list: ...  # the ``Piece``s the rank holds
-    def local(self, rank: int) -> Any: ...  # a ``LocalShard``: slot and pieces
-    def views(self, compute: torch.Tensor) -> list[torch.Tensor]: ...
-    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor: ...
+    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int) -> None: ...
+    def shard(self, rank: int) -> ShardInfo: ...  # the rank's slot of the (N*S,) buffer
+    def pieces(self, rank: int) -> list[Piece]: ...  # what the rank holds of each parameter
+    def views(self, compute: torch.Tensor) -> list[torch.Tensor]: ...  # the parameters in it
     def from_wire(self, wire: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor: ...
     def to_wire(self, compute: torch.Tensor) -> torch.Tensor: ...
     def exposed(self, piece: torch.Tensor, i: int, rank: int, placement) -> torch.Tensor: ...
@@ -59,68 +139,60 @@ class Layout(Protocol):
 @runtime_checkable
 class CommPolicy(Protocol):
     """How a unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``). Each
-    method starts the collective and returns a handle whose ``wait()`` leaves the output
-    filled; it may send other dtypes and shapes (ZeRO++'s quantized ones do)."""
+    method starts its collective through ``ctx`` and returns a handle whose ``wait()`` leaves
+    the output filled; it may send other dtypes and shapes (ZeRO++'s quantized ones do)."""
 
     in_place_ok: bool  # the shard may be this rank's slot of the full buffer (stages 1/2)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str) -> Any: ...
+                   in_place: bool, group, unit: str, phase: str, ctx: Comm) -> Work: ...
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str) -> Any: ...
-    def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str,
-                   phase: str) -> None: ...
+                       phase: str, ctx: Comm) -> Work: ...
+    def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
+                   ctx: Comm) -> None: ...
 
 
 @runtime_checkable
 class OffloadPolicy(Protocol):
     """Where a unit's shards live, how they cross to the compute device, and the policy's
-    part of the optimizer step (``zero/features/offload.py``)."""
+    part of the optimizer step (``zero/features/offload.py``). ``units`` below are the units
+    (``UnitView``) of the optimizer's parameters that use this policy, in its order."""
 
     on_device: bool  # the shard lives on the compute device (may sit inside the full buffer)
 
     def home(self, compute: torch.device) -> torch.device: ...
     def pinned(self, compute: torch.device) -> bool: ...
-    def check(self, layout) -> None: ...  # raise if this layout cannot be served
+    def check(self, layout) -> None: ...  # raise if this layout class cannot be served
     def to_device(self, shard: torch.Tensor, device: torch.device, unit: str,
                   phase: str) -> torch.Tensor: ...
     def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor: ...
     def before_step(self, optimizer, units: list, args: tuple,
                     kwargs: dict) -> tuple | None: ...  # new (args, kwargs) for the call, or None
+    def after_step(self, optimizer, units: list) -> None: ...
     def resident(self, optimizer, units: list) -> ContextManager: ...  # state in memory
 
 
 @runtime_checkable
 class Schedule(Protocol):
-    """When units are gathered ahead of need (prefetch), and in which order gradients are
-    reduced (``zero/core/schedule.py``). One per root."""
+    """Which units to start gathering ahead of need (prefetch): while ``unit`` computes its
+    forward, the units ``forward_prefetch`` returns; while it computes its backward, those
+    ``backward_prefetch`` returns. One per root (``zero/core/schedule.py``); the mechanism
+    gathers what it is told (a unit that keeps its parameters needs none)."""
 
-    prefetch: int  # how many units ahead (forward) and behind (backward) to gather
-    order: list  # units in the order their forward ran, this iteration
-    last_order: list  # the same, the previous iteration
-    reduced: list  # units whose reduction started since the root's last forward
-
-    def ahead(self, order: list, pos: int) -> list: ...  # gathered while order[pos] computes
-    def behind(self, order: list, pos: int) -> list: ...  # gathered for backward, likewise
-    def forward_started(self, unit, is_root: bool) -> None: ...
-    def backward_started(self, unit) -> None: ...
-    def reduce(self, unit) -> None: ...
-    def defer_reshard(self, unit) -> None: ...
-    def free_deferred(self, but) -> None: ...
-    def finish_backward(self, synced: list) -> None: ...
-    def wait_reductions(self, synced: list) -> None: ...
-    def reset(self) -> None: ...
+    def forward_prefetch(self, unit: UnitView, order: Order) -> Sequence[UnitView]: ...
+    def backward_prefetch(self, unit: UnitView, order: Order) -> Sequence[UnitView]: ...
 
 
 @runtime_checkable
 class Backend(Protocol):
     """The collectives themselves (``zero/comm/backend.py``): ``torch.distributed``'s, with
-    the group explicit. Everything above it goes through one ``Backend`` object."""
+    the group explicit. Every collective and every question about a group goes through one
+    ``Backend`` object, the root's (``zero/comm/context.py``)."""
 
     def rank(self, group=None) -> int: ...
     def world_size(self, group=None) -> int: ...
-    def name(self, group=None) -> str: ...
-    def world(self) -> Any: ...
+    def name(self, group=None) -> str: ...  # "gloo", "nccl", "fake" (a simulation)...
+    def world(self) -> Any: ...  # the group of every rank
     def global_rank(self, group, group_rank: int) -> int: ...
     def all_gather(self, output, input, group, async_op: bool) -> Any: ...
     def reduce_scatter(self, output, input, op: str, group, async_op: bool) -> Any: ...
@@ -131,17 +203,92 @@ class Backend(Protocol):
     def default_device(self, group=None) -> torch.device: ...
 
 
-def missing(obj, protocol) -> list[str]:
-    """The members of ``protocol`` that ``obj`` lacks (attributes, methods), in order."""
-    names = [n for n in protocol.__dict__.get("__annotations__", {})]
-    names += [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
-    return [n for n in names if not hasattr(obj, n)]
+# ---- checking an object against a protocol ----------------------------------------------------
 
 
-def check(obj, protocol, what: str) -> None:
-    """Raise ``TypeError`` naming what ``obj`` (given as ``what``) lacks of ``protocol``."""
-    lacks = missing(obj, protocol)
-    if lacks:
-        raise TypeError(f"{what} ({type(obj).__name__}) is not a {protocol.__name__}: it lacks "
-                        f"{', '.join(lacks)} (zero/api.py lists what a {protocol.__name__} "
-                        "has; the built-in ones are examples to follow)")
+def _members(protocol) -> tuple[list[str], list[str]]:
+    attributes = [n for n in protocol.__dict__.get("__annotations__", {})]
+    methods = [n for n, v in vars(protocol).items()
+               if inspect.isfunction(v) and (not n.startswith("_") or n == "__init__")]
+    return attributes, methods
+
+
+def _accepts(have: inspect.Signature, want: inspect.Signature) -> str | None:
+    """Why a method with signature ``have`` cannot be called as ``want`` says, or None."""
+    params = list(have.parameters.values())
+    star = any(p.kind is p.VAR_POSITIONAL for p in params)
+    stars = any(p.kind is p.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    wanted = [p for p in want.parameters.values() if p.name != "self"]
+    by_position = [p for p in wanted if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+    by_keyword = [p for p in wanted if p not in by_position]
+    used = set()
+    for i, w in enumerate(by_position):
+        if i < len(positional):
+            used.add(positional[i].name)
+        elif not star:
+            return f"it takes no argument {i + 1} ({w.name!r})"
+    for w in by_keyword:
+        if w.name in by_name:
+            used.add(w.name)
+        elif not stars:
+            return f"it takes no keyword argument {w.name!r}"
+    extra = [p.name for p in params if p.name not in used and p.default is p.empty
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if extra:
+        return f"it requires {', '.join(repr(n) for n in extra)}, which the mechanism never passes"
+    return None
+
+
+def mismatches(obj, protocol, probe=None) -> list[str]:
+    """How ``obj`` differs from ``protocol``: members it lacks (looked for on ``probe``, an
+    instance of the class ``obj``, if given), and methods the mechanism could not call as the
+    protocol says it does (by ``inspect.signature``: the arguments without a default are
+    passed by position, the others by keyword), in words."""
+    attributes, methods = _members(protocol)
+    holder = obj if probe is None else probe
+    out = [f"it lacks {n!r}" for n in attributes if not hasattr(holder, n)]
+    for name in methods:
+        if name == "__init__" and not inspect.isclass(obj):
+            continue
+        member = getattr(obj, name, None)
+        if member is None or not callable(member):
+            out.append(f"it lacks the method {name!r}")
+            continue
+        try:
+            have = inspect.signature(member)
+        except (TypeError, ValueError):  # (a builtin without a signature: trust it)
+            continue
+        if inspect.isclass(obj):  # an unbound function: drop self
+            have = have.replace(parameters=list(have.parameters.values())[1:])
+        want = inspect.signature(vars(protocol)[name])
+        why = _accepts(have, want)
+        if why is not None:
+            shown = str(want).replace("(self, ", "(").replace("(self)", "()")
+            out.append(f"{name}: {why} (the mechanism calls {name}{shown.split(' ->')[0]})")
+    return out
+
+
+def check(obj, protocol, what: str, *, is_class: bool = False) -> None:
+    """Raise ``TypeError`` naming how ``obj`` (given as ``what``) differs from ``protocol``.
+    ``is_class``: the seam takes a class (a layout), not an instance."""
+    if inspect.isclass(obj) and not is_class:
+        raise TypeError(f"{what} is the class {obj.__name__}, not an object: give an instance "
+                        f"({obj.__name__}(...))")
+    if is_class and not inspect.isclass(obj):
+        raise TypeError(f"{what} must be a class (the mechanism makes one per unit from the "
+                        f"parameters' shapes and the world size), got {type(obj).__name__}")
+    probe = None
+    if is_class:  # (what a layout holds is set in __init__: ask one made for two elements)
+        try:
+            probe = obj([(2,)], 1)
+        except Exception as e:  # noqa: BLE001 - reported as what differs
+            raise TypeError(f"{what} ({obj.__name__}) could not be made as the mechanism makes "
+                            f"one, {obj.__name__}(shapes, world_size): {e}") from e
+    wrong = mismatches(obj, protocol, probe)
+    if wrong:
+        name = obj.__name__ if inspect.isclass(obj) else type(obj).__name__
+        raise TypeError(f"{what} ({name}) is not a {protocol.__name__}: {'; '.join(wrong)}. "
+                        f"zero/api.py lists what a {protocol.__name__} has and how the "
+                        "mechanism calls it; the built-in ones are examples to follow")

@@ -66,7 +66,7 @@ def schedule(units: list[int], stage: int, n: int, tensors: int = 0,
         return {"at_rest": at_rest, "in_flight": 0, "peak": at_rest}
     params = 4 * sum(units) if stage == 2 else 4 * sum(shard)
     order = list(range(len(units)))  # forward order: the root, then the blocks
-    ahead, behind = Schedule(order, prefetch).ahead, Schedule(order, prefetch).behind
+    ahead, behind = Schedule(prefetch).ahead, Schedule(prefetch).behind
     worst = 0
     for i in order:  # forward: unit i computes while the units ahead of it are gathered
         if stage == 3:

@@ -160,7 +160,7 @@ def _step(rank: int, n: int, stage: int, config: GPTConfig) -> Trace | None:
         check_freed(record.done)
         events.append(Event(record.done, record.unit, "", held(units), record, done=True))
 
-    stage_frees = not units[0].stage.keep_params
+    stage_frees = not units[0].config.stage.keep_params
     for u in units:
         reached = []  # backward reached this unit's output (its first output tensor only)
 
@@ -186,9 +186,9 @@ def _step(rank: int, n: int, stage: int, config: GPTConfig) -> Trace | None:
             else:
                 note(u.name, "post_forward")
 
-        u.module.register_forward_pre_hook(pre_forward, prepend=True)
-        u.module.register_forward_hook(hook_outputs, prepend=True)
-        u.module.register_forward_hook(post_forward)
+        u.modules[0].register_forward_pre_hook(pre_forward, prepend=True)
+        u.modules[0].register_forward_hook(hook_outputs, prepend=True)
+        u.modules[0].register_forward_hook(post_forward)
         if u.unsharded.requires_grad:  # runs as the flat gradient arrives, before post_backward
             u.unsharded.register_hook(lambda grad, u=u: note(
                 u.name, f"post_backward: gradient complete, {_b(grad.nbytes)}", grad.nbytes))

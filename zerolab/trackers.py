@@ -132,7 +132,7 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         for unit in units_of(self._model):
             held = unit.held()
             # stage 3's unsharded parameters are transient; stages 1/2 keep theirs
-            self._tag(held.unsharded, _MemRefType.PARAM, unit.stage.frees_parameters)
+            self._tag(held.unsharded, _MemRefType.PARAM, unit.config.stage.frees_parameters)
             self._tag(held.sharded, _MemRefType.PARAM, transient=False)
             if held.unsharded.requires_grad:  # the flat gradient, before it is accumulated
                 self._handles.append(held.unsharded.register_hook(partial(self._tag_grad, unit)))
@@ -162,7 +162,7 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
 
     def _tag_grad(self, unit, grad: torch.Tensor) -> None:
         # Stages 2/3 reduce a unit's full gradient and free it during backward: transient.
-        self._tag(grad, _MemRefType.GRAD, transient=not unit.stage.keep_grads)
+        self._tag(grad, _MemRefType.GRAD, transient=not unit.config.stage.keep_grads)
 
     def _tag(self, t: torch.Tensor, reftype, transient: bool) -> None:
         self._quiet = True  # no split in between: it would count a transient as a state

@@ -60,7 +60,7 @@ def memory(rank, n, mp):
             "kept": {"param": mt.state_peaks[Ref.PARAM], "grad": mt.state_peaks[Ref.GRAD],
                      "opt": mt.state_peaks[Ref.OPT], "states": mt.model_states_peak,
                      "transient": None},
-            "grad_dtype": str(units[1].reduce_dtype)}
+            "grad_dtype": str(units[1].config.reduce_dtype)}
 
 
 # ---- Part 2: the order of events -------------------------------------------------------------
@@ -70,7 +70,7 @@ def events(rank, n, mp):
     model, opt = build(BF16 if mp else None)
     step(model, opt, rank, 0)
     for u in zero.units_of(model):
-        u.module.register_forward_pre_hook(
+        u.modules[0].register_forward_pre_hook(
             lambda m, a, u=u: log.append((time.perf_counter(), f"forward computes        {u.name}")))
     x, y = model.batch(2, torch.Generator().manual_seed(10 + rank))
     with zero.Ledger() as ledger:

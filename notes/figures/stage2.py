@@ -77,7 +77,7 @@ def hook_counts(rank, n, mode):
         table[name] = table.get(name, 0) + 1
 
     for u in zero.units_of(model):
-        u.module.register_forward_pre_hook(lambda m, a, u=u: count(calls, u.name))
+        u.modules[0].register_forward_pre_hook(lambda m, a, u=u: count(calls, u.name))
         u.unsharded.register_post_accumulate_grad_hook(lambda leaf, u=u: count(fired, u.name))
     with zero.Ledger() as ledger:
         batch_step(model, rank, 1, opt)
@@ -173,11 +173,11 @@ class UnshardedBlocks(TorchDispatchMode):
     def __init__(self, units):
         super().__init__()
         self.units, self.most = [u for u in units if u.reshard_after_forward], 0
-        self.blocks = {u.module for u in self.units}
+        self.blocks = {u.modules[0] for u in self.units}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        live = {u.module for u in self.units if u.unsharded.untyped_storage().nbytes()}
+        live = {u.modules[0] for u in self.units if u.unsharded.untyped_storage().nbytes()}
         self.most = max(self.most, len(live))
         return out
 

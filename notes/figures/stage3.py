@@ -151,7 +151,7 @@ def storage(rank, n):
     units = zero.units_of(model)
     after = []
     for u in units:  # registered after zero's post-forward hook: sees the state it leaves
-        u.module.register_forward_hook(
+        u.modules[0].register_forward_hook(
             lambda m, a, o, u=u: after.append((u.name, u.unsharded.untyped_storage().nbytes(),
                                                4 * u.layout.padded_numel, u.reshard_after_forward)))
     probe = Unsharded(units)

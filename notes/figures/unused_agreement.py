@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
-from zero import comm
+from zero.comm import CommContext
 from zerolab.launch import run_ranks
 
 
@@ -37,9 +37,10 @@ def train_one_step(rank, n, kind):
         model = DDP(model, find_unused_parameters=True)
     else:
         zero.shard(model, stage=2)
-        if kind == "zero, no agreement":
-            real = comm.all_reduce  # the used-flags all-reduce is the one with unit="root"
-            comm.all_reduce = lambda t, **kw: None if kw.get("unit") == "root" else real(t, **kw)
+        if kind == "zero, no agreement":  # the used-flags all-reduce is the one with unit="root"
+            real = CommContext.all_reduce
+            CommContext.all_reduce = lambda ctx, t, **kw: (None if kw.get("unit") == "root"
+                                                           else real(ctx, t, **kw))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     x[0, 0] = 1.0 if rank == 0 else -1.0  # rank 0 takes the branch through b, rank 1 does not

@@ -131,7 +131,7 @@ def _alone_in(rank, n, op):
         "all_reduce": lambda: comm.all_reduce(x, unit="u", phase="step"),
         "all_to_all": lambda: comm.all_to_all(torch.empty(4), x, unit="u", phase="backward"),
         "broadcast": lambda: comm.broadcast(x, unit="u", phase="forward"),
-        "agree": lambda: comm.agree("do something"),
+        "agree": lambda: comm.agree("do something", ctx=comm.CommContext()),
         "all_gather_object": lambda: comm.all_gather_object({"a": 1}),
     }
     start = time.monotonic()

@@ -95,7 +95,7 @@ def _stage3(rank, n):
     units = zero.units_of(model)
     probe = _UnshardedBytes(units)
     for u in units:  # registered after zero's hook, so it sees the state after post_forward
-        u.module.register_forward_hook(
+        u.modules[0].register_forward_hook(
             lambda m, a, o, u=u: probe.after_forward.append((u.name, u.unsharded.untyped_storage().nbytes())))
     with ZeroMemTracker(model, opt) as mt, probe:
         _step(model, opt, rank)

@@ -68,7 +68,7 @@ def _torch_policy(rank, n):
 
     model = GPT(GPTConfig())
     zero.shard(model, stage=3, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    return repr(zero.units_of(model)[0].offload)
+    return repr(zero.units_of(model)[0].config.offload)
 
 
 def test_torchs_cpu_offload_policy_is_taken():

@@ -40,7 +40,8 @@ def _reduce(rank, n, size, block, op, scale_by_rank):
     exact = torch.stack(every).double().sum(0)
     slot = slice(rank * size, (rank + 1) * size)
     with zero.Ledger() as ledger:
-        policy.reduce_scatter(grad, slot, op=op, group=None, unit="u", phase="backward").wait()
+        policy.reduce_scatter(grad, slot, op=op, group=None, unit="u", phase="backward",
+                              ctx=zero.comm.CommContext()).wait()
     got = grad[slot].double()
     want = exact[slot] / (n if op == "avg" else 1)
     # The bound: sum over ranks of the largest magnitude of the element's block (of B in the
@@ -113,7 +114,7 @@ def _non_finite(rank, n, bad, policy_kind):
         grad[3] = bad  # in shard 0, rank 0's
     slot = slice(rank * size, (rank + 1) * size)
     QuantizedGradients(mesh).reduce_scatter(grad, slot, op="sum", group=None, unit="u",
-                                            phase="backward").wait()
+                                            phase="backward", ctx=zero.comm.CommContext()).wait()
     return torch.isfinite(grad[slot]).all().item()
 
 

@@ -96,7 +96,7 @@ def _strategies(rank, n):
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         model = GPT()
         zero.shard(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}))
-        out[strategy.name] = {u.stage.number for u in zero.units_of(model)}
+        out[strategy.name] = {u.config.stage.number for u in zero.units_of(model)}
     for strategy, kw in ((ShardingStrategy.HYBRID_SHARD, {}), ("SOMETHING_ELSE", {}),
                          (ShardingStrategy.FULL_SHARD, {"stage": 2})):
         try:

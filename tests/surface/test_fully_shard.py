@@ -134,7 +134,7 @@ def _refusals(rank, n):
             out[name] = str(e)
     model = zero.fully_shard(GPT(GPTConfig()), mesh=mesh,
                              mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
-    out["policy"] = zero.units_of(model)[0].param_dtype
+    out["policy"] = zero.units_of(model)[0].config.param_dtype
     for name, call in {"set_custom_all_gather": lambda: model.set_custom_all_gather(None),
                        "set_unshard_in_backward": lambda: model.set_unshard_in_backward(False),
                        "to": lambda: model.to(torch.float64),

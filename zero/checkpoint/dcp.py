@@ -64,7 +64,7 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
     """
     units = units_of(model)
-    group, ctx = units[0].all_group, units[0].mesh.context
+    group, ctx = units[0].mesh.all_group, units[0].root.context
     with comm.raising_together(group, ctx=ctx):
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: keep is how many versions stay, 1 or more")
@@ -184,7 +184,7 @@ def _model_state(model: nn.Module, units) -> dict:
     """FSDP2's model state dict: a Shard(0) DTensor per parameter, buffers as they are."""
     chunks = {}
     for unit in units:
-        mesh = mesh_of(unit.group, unit.sharded.device)
+        mesh = mesh_of(unit.mesh.group, unit.sharded.device)
         for i, t in enumerate(flat_to_chunks(unit, unit.sharded)):
             chunks[unit, i] = to_dtensor(t, unit.layout.shapes[i], mesh)
     return {name: chunks[registry.unit_of(t), registry.index_of(t)] if registry.is_piece(t)
@@ -201,7 +201,7 @@ def resident(optimizer):
         for p in group["params"]:
             unit = registry.unit_of(p)
             if unit is not None:
-                policies.setdefault(unit.offload, {})[unit] = None
+                policies.setdefault(unit.config.offload, {})[unit] = None
     with contextlib.ExitStack() as stack:
         for policy, units in policies.items():
             stack.enter_context(policy.resident(optimizer, list(units)))
@@ -221,7 +221,7 @@ def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}
     for unit in units:
-        mesh = mesh_of(unit.group, unit.sharded.device)
+        mesh = mesh_of(unit.mesh.group, unit.sharded.device)
         for key, holders in _elementwise(unit, optimizer).items():
             shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
             for i in holders:
@@ -246,7 +246,7 @@ def _elementwise(unit, optimizer) -> dict[str, list[int]]:
                 found.setdefault(key, []).append(i)
     if not unit.layout.empty_pieces_get_grads:
         merged: dict[str, set] = {}
-        for theirs in comm.all_gather_object(found, group=unit.group, ctx=unit.mesh.context):
+        for theirs in comm.all_gather_object(found, group=unit.mesh.group, ctx=unit.root.context):
             for key, holders in theirs.items():
                 merged.setdefault(key, set()).update(holders)
         found = {key: sorted(holders) for key, holders in merged.items()}

@@ -71,11 +71,11 @@ def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
         return []
     flat = shard.new_empty(layout.padded_numel)
     # (S,) per rank -> (N*S,): the whole unit, transient
-    comm.all_gather(flat, shard, group=unit.group, unit=unit.name, phase="other",
-                    ctx=unit.mesh.context)
+    comm.all_gather(flat, shard, group=unit.mesh.group, unit=unit.name, phase="other",
+                    ctx=unit.root.context)
     chunks = []
     for shape, whole in zip(layout.shapes, layout.views(layout.from_wire(flat))):  # (any layout)
-        ch = chunk_of(shape, unit.world_size, unit.rank)
+        ch = chunk_of(shape, unit.mesh.world_size, unit.mesh.rank)
         chunks.append(whole.reshape(-1)[ch.start : ch.stop].clone().view(ch.shape))
     return chunks
 
@@ -86,8 +86,8 @@ def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
     Every rank contributes its chunks, each padded to ``Chunk.padded``, to one all-gather;
     then each piece of this rank's shard is copied out of the chunks that overlap it.
     """
-    layout, n = unit.layout, unit.world_size
-    mine = [chunk_of(s, n, unit.rank) for s in layout.shapes]
+    layout, n = unit.layout, unit.mesh.world_size
+    mine = [chunk_of(s, n, unit.mesh.rank) for s in layout.shapes]
     seg = [0]  # where each parameter's padded chunk sits in a rank's contribution
     for ch, t in zip(mine, chunks):
         seg.append(seg[-1] + (ch.padded if t is not None else 0))
@@ -99,12 +99,12 @@ def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
     got = send.new_empty(n * seg[-1])
     if seg[-1]:
         # (L,) per rank -> (N*L,): every rank's chunks of this unit, transient
-        comm.all_gather(got, send, group=unit.group, unit=unit.name, phase="other",
-                        ctx=unit.mesh.context)
+        comm.all_gather(got, send, group=unit.mesh.group, unit=unit.name, phase="other",
+                        ctx=unit.root.context)
     del send  # (before the shard is allocated: load holds one unit, not one and a bit)
 
     shard = unit.sharded.new_zeros(layout.shard_numel, dtype=dtype)
-    for piece in layout.pieces(unit.rank):
+    for piece in layout.pieces(unit.mesh.rank):
         i, want = piece.param_index, piece.param_offset
         if chunks[i] is None:
             continue

@@ -61,7 +61,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """
     units, names, entries = units_of(model), first_names(model), entries_of(model)
     with_optim = optimizer is not None
-    ctx = units[0].mesh.context
+    ctx = units[0].root.context
     found, meta, elementwise = _agreed(ctx, path, _checked, path, model, optimizer, units,
                                        entries)
     try:
@@ -121,8 +121,8 @@ def _rows(piece) -> tuple[int, int] | None:
     shape = unit.layout.shapes[registry.index_of(piece)]
     if len(shape) == 0:
         return None
-    c = -(-shape[0] // unit.world_size)
-    return min(unit.rank * c, shape[0]), min((unit.rank + 1) * c, shape[0])
+    c = -(-shape[0] // unit.mesh.world_size)
+    return min(unit.mesh.rank * c, shape[0]), min((unit.mesh.rank + 1) * c, shape[0])
 
 
 def _records(meta, boxes: dict) -> list:
@@ -222,7 +222,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
     parameters, or one state key of them): DCP reads this rank's FSDP2 chunk of each, into a
     buffer of that size, by itself (every record is verified: no collective to plan it), then
     one all-gather of the unit turns the chunks into our shard."""
-    mesh = mesh_of(unit.group, unit.sharded.device)
+    mesh = mesh_of(unit.mesh.group, unit.sharded.device)
     template: dict = {}
     chunks: list = []
     for p, shape in zip(unit.params, unit.layout.shapes):
@@ -231,7 +231,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
         if where:
             md = meta.state_dict_metadata[".".join(map(str, where[0]))]
             dtype = unit.sharded.dtype if where[0][0] == "model" else md.properties.dtype
-            mine = chunk_of(shape, unit.world_size, unit.rank).shape
+            mine = chunk_of(shape, unit.mesh.world_size, unit.mesh.rank).shape
             chunks[-1] = to_dtensor(unit.sharded.new_empty(mine, dtype=dtype), shape, mesh)
         for path in where:  # (a tied parameter: under each of its names)
             set_element(template, path, chunks[-1])

@@ -20,8 +20,7 @@ import os
 
 import torch
 
-from zero.comm import backend, ledger, objects, waits
-from zero.comm.context import context_of
+from zero.comm import ledger, objects, waits
 
 
 def checking() -> bool:
@@ -42,16 +41,15 @@ class AgreementTimeout(Disagreement, waits.CollectiveTimeout):
 
 
 def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement,
-          ctx=None) -> None:
+          ctx) -> None:
     """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
     if they do not all say the same. ``fix`` ends the message: how to make the ranks agree.
     ``ctx``: the ``CommContext`` to agree through (it counts the agreements: ranks must count
     alike)."""
-    if backend.alone(group) or backend.simulated(group):
+    if ctx.alone(group) or ctx.simulated(group):
         return
-    ctx = context_of(ctx)
     seq = ctx.next_agreement(group)
-    n, device = ctx.backend.world_size(group), device or ctx.backend.default_device(group)
+    n, device = ctx.world_size(group), device or ctx.default_device(group)
     mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
     every = torch.empty(2 * n, dtype=torch.int64, device=device)
     name = ctx.issued(f"agreement #{seq}: {what}", group)
@@ -72,7 +70,7 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
 
 
 @contextlib.contextmanager
-def raising_together(group=None, device=None, ctx=None):
+def raising_together(group=None, device=None, *, ctx):
     """Local checks whose failure on one rank must stop every rank: inside, an exception on
     some rank is announced as an agreement ("raise ..."); the ranks that passed their checks
     see it at their next ``agree`` and raise too, instead of entering a collective that rank

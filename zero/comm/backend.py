@@ -2,12 +2,13 @@
 
 ``TorchBackend`` is the ``Backend`` of ``zero/api.py``: every collective zero issues goes
 through one such object (held by the model's ``CommContext``, ``zero/comm/context.py``), so
-another transport (a simulator, another library, one that logs: ``logging_backend.py``) is an
-object that wraps or replaces it, given to ``zero.shard(..., backend=...)``. Each method is the
-``torch.distributed`` call of the same name, with the group made explicit; the ledger, the
-agreement and the local shortcuts for a group of one rank live above it
-(``zero/comm/collectives.py``). The functions below the class answer questions about groups
-(rank, size, backend name), which move no data.
+another transport (a simulator, another library, one that logs:
+``zero/features/logging_backend.py``) is an object that wraps or replaces it, given to the
+root's ``zero.shard(..., backend=...)``. Each method is the ``torch.distributed`` call of the
+same name, with the group made explicit: the collectives, and the questions about a group
+(its rank, size, backend). The ledger, the agreement and the local shortcuts for a group of
+one rank live above it (``zero/comm/collectives.py``); what makes groups and meshes, which
+moves no data, lives where they are made (notes/15 lists it).
 """
 
 from __future__ import annotations
@@ -20,32 +21,6 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
-
-
-def world():
-    """The default group (every rank)."""
-    return dist.group.WORLD
-
-
-def rank(group=None) -> int:
-    return dist.get_rank(group)
-
-
-def world_size(group=None) -> int:
-    return dist.get_world_size(group)
-
-
-def name(group=None) -> str:
-    """The backend's name: "gloo", "nccl", "fake"..."""
-    return dist.get_backend(group)
-
-
-def global_rank(group, group_rank: int) -> int:
-    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
-
-
-def new_group(ranks: list[int]):
-    return dist.new_group(ranks)
 
 
 # [Note: bounded waits] gloo honours ``Work.wait(timeout)`` for its all-gather, all-reduce,
@@ -65,12 +40,30 @@ class TorchBackend:
     def __repr__(self) -> str:
         return "TorchBackend()"
 
-    rank = staticmethod(lambda group=None: rank(group))
-    world_size = staticmethod(lambda group=None: world_size(group))
-    name = staticmethod(lambda group=None: name(group))
-    world = staticmethod(lambda: world())
-    global_rank = staticmethod(lambda group, group_rank: global_rank(group, group_rank))
-    default_device = staticmethod(lambda group=None: default_device(group))
+    def rank(self, group=None) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group=None) -> int:
+        return dist.get_world_size(group)
+
+    def name(self, group=None) -> str:
+        """The backend's name: "gloo", "nccl", "fake" (a simulation)..."""
+        return dist.get_backend(group)
+
+    def world(self):
+        """The default group (every rank)."""
+        return dist.group.WORLD
+
+    def global_rank(self, group, group_rank: int) -> int:
+        return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+    def default_device(self, group=None) -> torch.device:
+        """Where a small tensor for ``group``'s collectives lives: the CPU for gloo, else the
+        current accelerator (NCCL moves only device memory)."""
+        accelerator = torch.accelerator.current_accelerator()
+        if self.name(group) in ("gloo", "fake") or accelerator is None:
+            return torch.device("cpu")
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
         """(S,) per rank -> (N*S,), rank r's input at [r*S, (r+1)*S)."""
@@ -90,34 +83,15 @@ class TorchBackend:
 
     def broadcast(self, tensor: torch.Tensor, src: int, group, async_op: bool):
         """``src`` is a rank of ``group``."""
-        return dist.broadcast(tensor, src=global_rank(group, src), group=group,
+        return dist.broadcast(tensor, src=self.global_rank(group, src), group=group,
                               async_op=async_op)
 
     def bounded_wait(self, group, op: str) -> str:
         """How a wait on this collective can be bounded (the note above): "timeout" (the
         handle's own), "thread" (a helper thread waits, the caller waits for it with a bound)
         or "none" (only a wait whose result the CPU reads at once is bounded)."""
-        kind = name(group)
+        kind = self.name(group)
         if kind not in _BOUNDED:
             return "none"
         return "thread" if (kind, op) in _IGNORED else "timeout"
 
-
-def alone(group=None) -> bool:
-    """A group of one rank has nobody to talk to."""
-    return dist.get_world_size(group) == 1
-
-
-def simulated(group=None) -> bool:
-    """True for the fake process group (benchmarks/simulate.py): it moves no data and has no
-    other ranks, so checks that compare ranks have nothing to compare."""
-    return dist.get_backend(group) == "fake"
-
-
-def default_device(group=None) -> torch.device:
-    """Where a small tensor for ``group``'s collectives lives: the CPU for gloo, else the
-    current accelerator (NCCL moves only device memory)."""
-    accelerator = torch.accelerator.current_accelerator()
-    if dist.get_backend(group) in ("gloo", "fake") or accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -1,20 +1,107 @@
-"""What the collectives layer keeps between calls, in one object per model: a ``CommContext``.
+"""What the collectives layer keeps between calls, in one object per root: a ``CommContext``.
 
 A collective needs more than its buffers: the backend that moves them (``zero/comm/backend.py``
 or one that wraps it), a name for its group in the ledger ("intra-node"...), its number among
 the collectives this rank issued on that group (for the message of a wait that expires), the
-last few issued (for the same message), and how many agreements the ranks made so far (they
-must count alike). FSDP2 keeps the like in its ``FSDPCommContext``; here each ``zero.shard``
-call makes one for its units (``MeshInfo.context``), and every collective of theirs (and of
-``zero.save``/``zero.load`` on them) is issued through it. A call with no context (a test of
-the collectives alone) gets a fresh one with the default backend.
+last few issued (for the same message), how many agreements the ranks made so far (they must
+count alike), and the device's streams the collectives run beside the computation on. FSDP2
+keeps the like in its ``FSDPCommContext``, one per root, which every parameter group under the
+root points at; so does zero: each ``zero.shard`` call makes one, and the call that shards a
+parent takes its children's units into its own (``zero/core/root.py``), so that what is given
+to the root (a backend) reaches every unit under it. Every collective of a model (and of
+``zero.save``/``zero.load`` on it) and every question about a group (rank, size, alone,
+simulated) goes through its root's context. A call with no model (``ShardedGradScaler``'s)
+gets a fresh one with the default backend (``context_of``).
+
+[Note: streams] On an accelerator the collectives run beside the computation, on streams of
+their own that the context owns, as FSDP2's does (``Streams``): the copy into an all-gather's
+buffer (a cast, a host-to-device copy) on ``copy_in``, the all-gather on ``all_gather``, a
+gradient's preparation and reduce-scatter on ``reduce_scatter``, HSDP's all-reduce on
+``all_reduce``. Each side stream first waits for what the computation queued before it, and the
+computation waits for the side stream's event (and for the collective) before it reads the
+result. Memory is never handed between streams with ``record_stream``: whatever a side stream
+or a collective reads stays referenced by the work in flight (``AllGather``, ``Reduction``)
+until the computing stream has waited for it, as FSDP2 keeps its buffers in
+``AllGatherState``/``ReduceScatterState``. On the CPU torch's stand-ins (``torch.cpu.Stream``)
+do nothing and record no event, so the same code runs, and not a bit changes.
 """
 
 from __future__ import annotations
 
 import collections
 
+import torch
+
+from zero.comm import ledger, objects, waits
+from zero.comm.agree import agree, checking
 from zero.comm.backend import TorchBackend
+
+
+class Handle:
+    """A collective in flight: ``wait()`` is bounded (``zero/comm/waits.py``) and notes, in the
+    collective's record, when it returned (on NCCL that is when the current stream was told to
+    wait, not when the bytes arrived)."""
+
+    def __init__(self, work, op: str, name: str, group, record: ledger.Record | None,
+                 ctx):
+        self.work, self.op, self.name, self.group, self.record = work, op, name, group, record
+        self.ctx = ctx
+
+    def wait(self):
+        out = waits.wait(self.work, self.name, self.group, self.ctx, op=self.op)
+        ledger.done(self.record)
+        return out
+
+
+class Done:
+    """The handle of a collective that had nothing to do: a group of one rank."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+
+def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_op: bool,
+           ctx: "CommContext", launch):
+    """Agree (check mode), record, launch (always asynchronously, so that even a blocking
+    call's wait is bounded); the handle, or its wait's result for a blocking call."""
+    what = f"{op} {unit or '(no unit)'} in {phase} ({buffer.numel()} x {buffer.dtype})"
+    if checking():
+        agree(what, group=group, device=buffer.device, ctx=ctx,
+              fix="Every rank must run the same units in the same order: the same forward "
+                  "calls, the same no_sync micro-batches, backward and opt.step() on all ranks")
+    name = ctx.issued(what, group)
+    rec = ledger.record(op, buffer, factor, group, unit, phase, ctx)
+    handle = Handle(launch(ctx.backend), op, name, group, rec, ctx)
+    return handle if async_op else handle.wait()
+
+
+class Streams:
+    """The device's four streams for the collectives, and the calls to use them, through
+    ``torch.get_device_module`` (CUDA's, XPU's, or the CPU's stand-ins)."""
+
+    def __init__(self, device: torch.device):
+        self.module = torch.get_device_module(device)
+        self.copy_in = self.module.Stream()  # casts and host-to-device copies into a gather
+        self.all_gather = self.module.Stream()
+        self.reduce_scatter = self.module.Stream()  # a gradient's copy-in and its reduction
+        self.all_reduce = self.module.Stream()  # HSDP's, over the replicas
+
+    def current(self):
+        return self.module.current_stream()
+
+    def use(self, stream):
+        """Run what follows on ``stream``, after what the current stream queued so far."""
+        stream.wait_stream(self.current())
+        return self.module.stream(stream)
+
+    def wait(self, event) -> None:
+        """The current stream waits for ``event`` (None on the CPU: nothing to wait for)."""
+        if event is not None:
+            self.current().wait_event(event)
+
+    def join(self, stream) -> None:
+        """The current stream waits for everything ``stream`` queued so far."""
+        self.current().wait_stream(stream)
 
 
 class CommContext:
@@ -28,7 +115,99 @@ class CommContext:
         self._names: dict = {}  # group -> its name in the ledger
         self._counts: dict = {}  # group -> collectives this rank issued on it
         self._sequences: dict = {}  # group -> agreements so far: the ranks must count alike
+        self._streams: dict = {}  # device -> its Streams, made at the first collective there
         self.last: collections.deque = collections.deque(maxlen=3)  # the last few issued
+
+    def __repr__(self) -> str:
+        return f"CommContext(backend={self.backend!r})"
+
+    # ---- questions about groups, answered by the backend ------------------------------------
+
+    def rank(self, group=None) -> int:
+        return self.backend.rank(group)
+
+    def world_size(self, group=None) -> int:
+        return self.backend.world_size(group)
+
+    def alone(self, group=None) -> bool:
+        """A group of one rank has nobody to talk to."""
+        return self.backend.world_size(group) == 1
+
+    def simulated(self, group=None) -> bool:
+        """The fake process group (``benchmarks/simulate.py``, the plan): it moves no data
+        and has no other ranks, so checks that compare ranks have nothing to compare."""
+        return self.backend.name(group) == "fake"
+
+    def default_device(self, group=None) -> torch.device:
+        return self.backend.default_device(group)
+
+    def streams(self, device: torch.device) -> Streams:
+        """The device's streams for the collectives (the module note), made once."""
+        key = torch.device(device)
+        if key not in self._streams:
+            self._streams[key] = Streams(key)
+        return self._streams[key]
+
+    # ---- the collectives: agreed (check mode), recorded, launched through the backend ---------
+
+    def _local(self, async_op: bool):
+        """A group of one rank: nothing was sent (the local equivalent was done)."""
+        return Done() if async_op else None
+
+    def all_gather(self, output, input, *, group=None, unit: str = "", phase: str = "other",
+                   async_op: bool = False):
+        """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at
+        [r * shard, ...). ``input`` may be rank r's slice of ``output`` (in place)."""
+        if self.alone(group):  # the shard is the whole
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return self._local(async_op)
+        return _issue("all_gather", output, 1.0, group, unit, phase, async_op, self,
+                      lambda b: b.all_gather(output, input, group, async_op=True))
+
+    def reduce_scatter(self, output, input, *, op: str = "avg", group=None, unit: str = "",
+                       phase: str = "other", async_op: bool = False):
+        """(N * shard,) on every rank -> (shard,): rank r gets slice r of the sum (or mean)."""
+        if self.alone(group):  # the sum (or mean) of one
+            output.copy_(input)
+            return self._local(async_op)
+        return _issue("reduce_scatter", input, 1.0, group, unit, phase, async_op, self,
+                      lambda b: b.reduce_scatter(output, input, op, group, async_op=True))
+
+    def all_to_all(self, output, input, *, group=None, unit: str = "", phase: str = "other",
+                   async_op: bool = False):
+        """(N * chunk,) on every rank -> (N * chunk,): rank r's chunk s goes to rank s, as
+        chunk r. Each rank keeps one chunk of its own and sends the other (N-1)/N."""
+        if self.alone(group):
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return self._local(async_op)
+        return _issue("all_to_all", input, 1.0, group, unit, phase, async_op, self,
+                      lambda b: b.all_to_all(output, input, group, async_op=True))
+
+    def all_reduce(self, tensor, *, op: str = "sum", group=None, unit: str = "",
+                   phase: str = "other", async_op: bool = False):
+        """Any shape -> the same shape, reduced over ranks ("sum", "avg", "max"), in place."""
+        if self.alone(group):
+            return self._local(async_op)
+        return _issue("all_reduce", tensor, 2.0, group, unit, phase, async_op, self,
+                      lambda b: b.all_reduce(tensor, op, group, async_op=True))
+
+    def broadcast(self, tensor, *, src: int = 0, group=None, unit: str = "",
+                  phase: str = "other", async_op: bool = False):
+        """Any shape -> the same shape on every rank: rank ``src``'s values, in place."""
+        if self.alone(group):
+            return self._local(async_op)
+        return _issue("broadcast", tensor, 1.0, group, unit, phase, async_op, self,
+                      lambda b: b.broadcast(tensor, src, group, async_op=True))
+
+    def all_gather_object(self, obj, *, group=None) -> list:
+        """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""
+        if self.alone(group):
+            return [obj]
+        return objects.all_gather_object(obj, group, self)
+
+    # ---- what the ledger and the messages need ----------------------------------------------
 
     def _key(self, group):
         return self.backend.world() if group is None else group
@@ -56,7 +235,13 @@ class CommContext:
         seq = self._sequences[key] = self._sequences.get(key, 0) + 1
         return seq
 
+    def take_names(self, other: "CommContext") -> None:
+        """A context whose units this one takes over (a parent sharded over its children):
+        keep the names it gave its groups (HSDP's, hpZ's)."""
+        for key, name in other._names.items():
+            self._names.setdefault(key, name)
 
-def context_of(ctx: CommContext | None) -> CommContext:
+
+def context_of(ctx: "CommContext | None") -> "CommContext":
     """``ctx``, or a fresh default context for a call that gave none."""
     return ctx if ctx is not None else CommContext()

@@ -10,16 +10,15 @@ and, under HSDP, a third: ``all_reduce`` of the reduced shard over the replicas.
 ``FlatCollectives`` is zero's own answer, and what every benchmark and test runs: cast the
 shard into its slot of the full buffer and all-gather in place; reduce-scatter the gradient in
 place into its own slot. Another answer (ZeRO++'s int8 weight gather, a 4-bit gradient
-reduction) is an object with the same two methods, in a file of its own, given to
-``zero.shard``: it may send other dtypes and other shapes, as long as ``wait()`` on the handle
-it returns leaves the same tensors filled.
+reduction, ``zero/features/``) is an object with the same methods (``zero/api.py``'s
+``CommPolicy``), given to ``zero.shard``: it may send other dtypes and other shapes, as long as
+``wait()`` on the handle it returns leaves the same tensors filled. Each collective goes
+through ``ctx``, the root's ``CommContext``: recorded in the ledger, its wait bounded.
 """
 
 from __future__ import annotations
 
 import torch
-
-from zero.comm import collectives
 
 
 class FlatCollectives:
@@ -28,32 +27,30 @@ class FlatCollectives:
     in_place_ok = True  # the shard may be this rank's slot of the full buffer (stages 1/2)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx=None):
+                   in_place: bool, group, unit: str, phase: str, ctx):
         """Start filling ``full`` (N*S,) from every rank's ``shard`` (S,); ``full[slot]`` is
         this rank's place, and ``in_place`` says that ``shard`` *is* that slot (stages 1/2
-        without a cast). ``ctx``: the unit's ``CommContext``. Returns a handle: ``full`` is
-        readable after its ``wait()``."""
+        without a cast). Returns a handle: ``full`` is readable after its ``wait()``."""
         mine = full[slot]
         if not in_place:
             mine.copy_(shard)  # cast the fp32 shard to the compute dtype once, before sending
         # (N*S,) <- (S,) per rank; in place: our slot of the output is the input
-        return collectives.all_gather(full, mine, group=group, unit=unit, phase=phase,
-                                      async_op=True, ctx=ctx)
+        return ctx.all_gather(full, mine, group=group, unit=unit, phase=phase, async_op=True)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str, ctx=None):
+                       phase: str, ctx):
         """Start reducing ``grad`` (N*S,) over the ranks into ``grad[slot]`` (S,). Returns a
         handle: ``grad[slot]`` holds this rank's slice of the sum (or mean) after ``wait()``."""
         # In place: our slice of the mean lands in our own slot of the full gradient, so while
         # the collective runs the unit holds one buffer, not the full gradient and a shard.
-        return collectives.reduce_scatter(grad[slot], grad, op=op, group=group, unit=unit,
-                                          phase=phase, async_op=True, ctx=ctx)
+        return ctx.reduce_scatter(grad[slot], grad, op=op, group=group, unit=unit, phase=phase,
+                                  async_op=True)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
-                   ctx=None) -> None:
+                   ctx) -> None:
         """Reduce ``tensor`` over the ranks of ``group``, in place, and wait (HSDP's average of
         a reduced gradient shard over the replicas)."""
-        collectives.all_reduce(tensor, op=op, group=group, unit=unit, phase=phase, ctx=ctx)
+        ctx.all_reduce(tensor, op=op, group=group, unit=unit, phase=phase)
 
 
 DEFAULT = FlatCollectives()

@@ -97,7 +97,7 @@ def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase
     active = _ACTIVE.get()
     if not active:
         return None
-    n = ctx.backend.world_size(group)
+    n = ctx.world_size(group)
     nbytes = buffer.numel() * buffer.element_size()
     rec = Record(op, buffer.dtype, nbytes, int(nbytes * factor * (n - 1) / n), unit, phase,
                  time.perf_counter(), ctx.group_name(group), n)

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from zero.comm import backend, waits
+from zero.comm import waits
 
 
 def all_gather_object(obj: Any, group, ctx) -> list[Any]:
-    device = ctx.backend.default_device(group)
+    device = ctx.default_device(group)
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    n = backend.world_size(group)
+    n = ctx.world_size(group)
     # (1,) per rank -> (N,): each rank's pickle size
     sizes = torch.empty(n, dtype=torch.int64, device=device)
     _gather(sizes, torch.tensor([data.numel()], device=device), group, "object sizes", ctx)

@@ -13,13 +13,12 @@ reads them; nothing changes them after ``zero.shard``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zero.comm import backend
-from zero.comm.context import CommContext
+from zero import api
 from zero.core.stage import Stage
 
 
@@ -45,9 +44,9 @@ class UnitConfig:
     reduce_dtype: torch.dtype
     cast_inputs: bool
     output_dtype: torch.dtype | None
-    layout: Any
-    comm: Any
-    offload: Any
+    layout: type[api.Layout]
+    comm: api.CommPolicy
+    offload: api.OffloadPolicy
     device: torch.device
 
     @classmethod
@@ -88,8 +87,8 @@ class MeshInfo:
             1-D one over ``group``; else ``group``.
         post_forward: hpZ: a ``MeshInfo`` over this rank's node, from which backward gathers
             the parameters (each rank keeps its slice of them over the node after forward).
-        context: the ``CommContext`` every collective of the unit goes through (its backend,
-            its groups' names in the ledger, what it issued).
+    Every collective of the unit goes through its root's ``CommContext``
+    (``zero/core/root.py``), given to each method that issues one.
     """
 
     group: Any
@@ -98,26 +97,22 @@ class MeshInfo:
     all_group: Any
     placement: Any
     post_forward: "MeshInfo | None" = None
-    context: CommContext = field(default_factory=CommContext, compare=False)
+    replicas: int = 1  # HSDP's copies of the sharded model (``HSDPMeshInfo``)
 
     @classmethod
-    def over(cls, group, all_group=None, placement=None, post_forward=None, context=None,
+    def over(cls, ctx, group, all_group=None, placement=None, post_forward=None,
              **kw) -> "MeshInfo":
-        return cls(group, backend.rank(group), backend.world_size(group),
+        """The unit's place in ``group``, as ``ctx``'s backend answers it."""
+        return cls(group, ctx.rank(group), ctx.world_size(group),
                    group if all_group is None else all_group,
-                   group if placement is None else placement, post_forward,
-                   context if context is not None else CommContext(), **kw)
-
-    @property
-    def replicas(self) -> int:
-        return 1
+                   group if placement is None else placement, post_forward, **kw)
 
     def slot(self, padded_numel: int) -> slice:
         """This rank's slice of a (padded_numel,) buffer cut in ``world_size`` equal parts."""
         size = padded_numel // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
-    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str) -> None:
+    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str, ctx) -> None:
         """Average a reduced gradient shard over the replicas: here there are none."""
 
 
@@ -128,11 +123,11 @@ class HSDPMeshInfo(MeshInfo):
 
     replicate_group: Any = None
 
-    @property
-    def replicas(self) -> int:
-        return backend.world_size(self.replicate_group)
-
-    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str) -> None:
-        # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica)
-        comm.all_reduce(shard, op=op, group=self.replicate_group, unit=unit, phase="backward",
-                        ctx=self.context)
+    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str, ctx) -> None:
+        # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica),
+        # on the all-reduce stream (FSDP2's), which the computation then waits for
+        streams = ctx.streams(shard.device)
+        with streams.use(streams.all_reduce):
+            comm.all_reduce(shard, op=op, group=self.replicate_group, unit=unit,
+                            phase="backward", ctx=ctx)
+        streams.join(streams.all_reduce)

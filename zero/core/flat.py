@@ -30,32 +30,11 @@ is shown to the optimizer as). Here the gathered buffer *is* the compute buffer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """Rank r's slice ``[offset, offset + size)`` of the padded flat buffer."""
-
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of parameter ``param_index`` that falls in one rank's shard.
-
-    Elements ``[param_offset, param_offset + length)`` of the flattened parameter sit at
-    ``[shard_offset, shard_offset + length)`` of that rank's shard.
-    """
-
-    param_index: int
-    param_offset: int
-    shard_offset: int
-    length: int
+from zero.api import Piece, ShardInfo  # (the values every layout returns)
 
 
 class FlatLayout:

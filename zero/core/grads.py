@@ -63,12 +63,14 @@ def divide_factors(dtype: torch.dtype, n: int, replicas: int = 1, factor: float 
 
 
 class Reduction(NamedTuple):
-    """A reduce-scatter in flight, and what ending it needs."""
+    """A reduce-scatter in flight, and what ending it needs. Its tensors stay referenced here
+    until the computing stream has waited for it (``zero/comm/context.py``'s note on streams)."""
 
     work: Any  # its handle
     grad: torch.Tensor  # the full flat gradient in reduce_dtype; the shard lands in its slot
     division: Division  # what is left to do after the sum
     keep: bool  # stage 1: the full gradient is kept, the shard stays a view of its slot
+    event: Any  # recorded on the reduce-scatter stream once issued (None on the CPU)
 
 
 class Gradient:
@@ -124,8 +126,9 @@ class Gradient:
         else:
             self.unsynced += grad
 
-    def start_reduce(self) -> None:
-        """Start reducing: (N*S,) full flat gradient -> (S,) this rank's shard of the mean.
+    def start_reduce(self, ctx) -> None:
+        """Start reducing: (N*S,) full flat gradient -> (S,) this rank's shard of the mean,
+        through ``ctx`` (the root's ``CommContext``), on its reduce-scatter stream.
 
         Asynchronous: backward goes on while it runs; ``wait_reduce`` ends it.
         """
@@ -133,7 +136,7 @@ class Gradient:
             # A second part of this backward's gradient (the unit ran twice, each call under
             # reentrant checkpointing: each recompute runs a backward of its own). Its mean is
             # added to the first part's, as FSDP2 adds each reduction into the sharded .grad.
-            self.wait_reduce()
+            self.wait_reduce(ctx)
         grad, self.leaf.grad = self.leaf.grad, None  # the unit lets go of it
         if self.unsynced is not None:  # earlier micro-batches, in reduce_dtype
             if grad is not None:
@@ -142,6 +145,8 @@ class Gradient:
         if grad is None:
             return
         kept = self.keeps_full and grad.dtype == self.reduce_dtype
+        # The copy-in (an upcast, a reorder) on the computing stream, as FSDP2 makes it: its
+        # memory is that stream's, and autograd's gradient may go at once.
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         grad = self.local.layout.to_wire(grad)  # (rows: rank-major, a copy; others: as it is)
         d = divide_factors(grad.dtype, self.mesh.world_size, self.mesh.replicas,
@@ -150,24 +155,30 @@ class Gradient:
             grad.mul_(d.premul)  # a divide factor of the user's: sum(g * 1/factor)
         if d.pre is not None:
             grad.div_(d.pre)  # fp16: half of the mean's division before the sum, half after
-        work = self.config.comm.reduce_scatter(grad, self.local.slot, op=d.op,
-                                               group=self.mesh.group, unit=self.name,
-                                               phase="backward", ctx=self.mesh.context)
+        # The collective on the reduce-scatter stream, beside the rest of backward; ``grad``
+        # stays referenced by the reduction until the computing stream has waited for it.
+        streams = ctx.streams(grad.device)
+        with streams.use(streams.reduce_scatter):
+            work = self.config.comm.reduce_scatter(grad, self.local.slot, op=d.op,
+                                                   group=self.mesh.group, unit=self.name,
+                                                   phase="backward", ctx=ctx)
+            event = streams.reduce_scatter.record_event()
         # Stage 1 keeps every full gradient until the step anyway (gradients: Ψ, as in DDP);
         # stages 2/3 copy the slot out when it arrives and free the rest (not an upcast copy:
         # keeping it for one slot would cost the whole copy).
-        self.reduction = Reduction(work, grad, d, kept)
+        self.reduction = Reduction(work, grad, d, kept, event)
 
-    def wait_reduce(self) -> None:
+    def wait_reduce(self, ctx) -> None:
         if self.reduction is None:
             return
-        work, grad, d, keep = self.reduction
+        work, grad, d, keep, event = self.reduction
+        ctx.streams(grad.device).wait(event)
         work.wait()
-        self.reduction = None
+        self.reduction = None  # (the computing stream has waited: its buffers may go)
         # Our slot, where the optimizer steps: kept as a view of the full gradient (stage 1),
         # or a copy that frees the full one, on the host under CPU offload (device -> host).
-        shard = self.config.offload.to_host(grad[self.local.slot], self.name, keep)
-        self.mesh.reduce_replicas(shard, d.replicas_op, self.config.comm, self.name)  # HSDP
+        shard = self.config.offload.to_host(grad[self.local.slot], self.name, keep=keep)
+        self.mesh.reduce_replicas(shard, d.replicas_op, self.config.comm, self.name, ctx)  # HSDP
         if d.post is not None and d.post != 1:
             shard.div_(d.post)
         if self.reduced is None:
@@ -230,6 +241,7 @@ class Gradient:
         """Forget every gradient not yet handed out (a failed iteration)."""
         if self.reduction is not None:
             self.reduction.work.wait()  # every rank issued it: let it finish everywhere
+            # (the computing stream waits on the collective: the buffers may go)
         self.leaf.grad = None
         self.unsynced = self.reduction = self.reduced = None
         self.used = [False] * len(self.params)

@@ -68,7 +68,7 @@ def replaced_in_forward(unit) -> None:
                 raise RuntimeError(
                     f"'{name}' was replaced during forward (e.g. module.to(dtype) inside "
                     f"forward): it no longer computes with unit {unit.name}'s "
-                    f"{unit.param_dtype} parameters, and its gradient would be lost. If it "
+                    f"{unit.config.param_dtype} parameters, and its gradient would be lost. If it "
                     "must compute in another dtype (a router in fp32), shard the module "
                     "that owns it as its own unit first, with zero.shard(module, "
                     "mp_policy=None)")

@@ -32,7 +32,7 @@ backward still needs the parameters: a forward checkpointed in two pieces recomp
 second piece after the first piece's backward. So a stage-3 unit whose gradient completes in
 another backward than the one that reached its outputs (``backward_task``) is freed a little
 later: when the next unit's backward or recompute starts, or at the end of backward
-(``Schedule.free_deferred``); by then its own backward is over, and no more is held than the
+(``Root.free_deferred``); by then its own backward is over, and no more is held than the
 prefetched unit would hold anyway.
 """
 
@@ -69,7 +69,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     if unit.config.cast_inputs:
         args, kwargs = map_tensors(unit.cast, (args, kwargs))
     if in_backward():  # activation-checkpoint recompute: gathered for backward
-        root.schedule.free_deferred(but=unit)
+        root.free_deferred(but=unit)
         unit.unshard(phase="backward")
         unit.iteration.state = State.PRE_BACKWARD
     else:
@@ -77,19 +77,20 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
             root.begin_forward()  # reset what a failure left behind, agree, refresh
         unit.adopt_replaced()  # a parameter a client swapped in (setattr) since the last one
         guards.converted_after_sharding(unit)
-        if (unit.stage.keep_params and unit.sharded_state is ShardedState.UNSHARDED
+        if (unit.config.stage.keep_params and unit.sharded_state is ShardedState.UNSHARDED
                 and unit.shard_written()):
             unit.shard_changed()  # called on its own, not from the root's forward
         unit.grads.discard_if_zeroed()
         unit.iteration.state = State.FORWARD
         unit.iteration.forward_calls += 1
         unit.unshard(phase="forward", async_op=True)
-        root.schedule.forward_started(unit, is_root=unit is root.unit)  # prefetches the next
+        root.forward_started(unit)  # prefetches what the schedule says: the next unit
         unit.wait_unshard()
         if torch.is_grad_enabled():
             if unit.reshard_after_forward:
                 root.guard.enter()
-            if unit.stage.frees_parameters and not all(p.requires_grad for p in unit.params):
+            if (unit.config.stage.frees_parameters
+                    and not all(p.requires_grad for p in unit.params)):
                 args, kwargs = _hook_input_gradients(unit, args, kwargs)
     use_unsharded_views(unit)
     return args, kwargs
@@ -120,14 +121,14 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
 
 
 def pre_backward(unit, grad: torch.Tensor) -> None:
-    if unit.state is not State.PRE_BACKWARD:  # the first of the unit's outputs reached
+    if unit.iteration.state is not State.PRE_BACKWARD:  # the first of its outputs reached
         root = root_of(unit)
-        root.schedule.free_deferred(but=unit)
+        root.free_deferred(but=unit)
         unit.iteration.backward_task = torch._C._current_graph_task_id()
         unit.iteration.state = State.PRE_BACKWARD
         unit.unshard(phase="backward", async_op=True)
         root.queue_final_callback()
-        root.schedule.backward_started(unit)  # prefetches the unit before this one
+        root.backward_started(unit)  # prefetches what the schedule says: the unit before
         unit.wait_unshard()
         use_unsharded_views(unit)  # for a recompute inside the unit's forward
 
@@ -139,9 +140,9 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
     unit.iteration.state = State.POST_BACKWARD
     if not unit.controls.requires_grad_sync:
         unit.grads.keep_unsynced()
-    elif unit.stage.reduces_when_complete(unit.keeps_full_gradient):
-        root.schedule.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
-    if unit.stage.keep_params:
+    elif unit.config.stage.reduces_when_complete(unit.grads.keeps_full):
+        root.reductions.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
+    if unit.config.stage.keep_params:
         # Stages 1/2 give the module its sharded parameters back at the end of backward
         # (end_iteration): a second checkpointed piece of the unit's forward may still
         # recompute with the full ones (its gradient then arrives in two parts, grads.py).
@@ -149,7 +150,7 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
     # Frozen parameters may still be read for an input gradient: see the module note.
     if all(p.requires_grad for p in unit.params) or unit.iteration.inputs_done:
         if torch._C._current_graph_task_id() != unit.iteration.backward_task:
-            root.schedule.defer_reshard(unit)  # completed in a recompute's backward: module note
+            root.defer_reshard(unit)  # completed in a recompute's backward: module note
         else:
             unit.release_after_backward()
 
@@ -198,7 +199,8 @@ class _InputGradients(torch.autograd.Function):
         unit = ctx.unit
         if unit.iteration.forward_calls == 1:  # called twice: the other's backward may be due
             unit.iteration.inputs_done = True
-            if unit.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
+            if (unit.iteration.state is State.POST_BACKWARD
+                    or not unit.unsharded.requires_grad):
                 unit.release_after_backward()
         return (None, *grads)
 

@@ -1,20 +1,27 @@
-"""The root: the unit with no unit above it, and what it does for every unit below it.
+"""The root: the unit with no unit above it, and the per-root context every unit under it shares.
 
-FSDP2 has the same idea (its root state). Only the root can
+FSDP2 has the same idea: its root state, and one ``FSDPCommContext`` that every parameter
+group under the root points at (its lazy init re-points them). Here each ``zero.shard`` call
+makes a ``Root`` for its units, holding what the call was given that concerns the whole model
+(the backend, in a ``CommContext``; the prefetch depth or a schedule); the call that shards a
+parent takes the units below over (``Root.take``), so that every unit of a model points at one
+``Root``, its top's. What was given to a unit below and differs from what the root was given
+is refused there, never ignored. Only the root can
 - name the units by their paths and list them (lazily, at the first forward);
 - start each iteration clean: if the last forward or backward raised part-way, some unit
   is still mid-iteration, and ``begin_forward`` resets every unit first (discarding the
   failed iteration's gradients, as FSDP2's ``reset_iter_state`` does);
 - agree with the other ranks on what happened since the last forward, before any unit
   gathers (``zero/comm/agree.py``), and broadcast buffers if asked (DDP's way);
-- hold the schedule of prefetches and reductions (``zero/core/schedule.py``) and the guard
-  against reading freed parameters (``zero/core/saved_tensors.py``);
+- hold the comm context with its streams (``zero/comm/context.py``), the schedule of
+  prefetches (``zero/core/schedule.py``, or the one given), the order reductions start in
+  (``zero/core/reductions.py``) and the guard against reading freed parameters
+  (``zero/core/saved_tensors.py``);
 - queue one callback for the end of backward that finishes every unit: the last
   reduce-scatters (and stage 1's in mixed precision), agreeing on which parameters got a
   gradient, handing the gradient shards to the parameters, and freeing stage 3's parameters.
 
-The root's duties live in one ``Root`` object, made when a unit of the model first needs it
-(``root_of``) and kept on the root unit.
+The root's duties live in one ``Root`` object, which each unit points at (``unit.root``).
 """
 
 from __future__ import annotations
@@ -25,29 +32,110 @@ import torch
 
 from zero import comm
 from zero.core import registry
+from zero.core.reductions import Reductions
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
 from zero.core.state import TrainingState
 
+GIVEN = ("backend", "prefetch", "schedule")  # what a root's zero.shard decides for every unit
+
 
 def root_of(unit) -> "Root":
-    """The root's duties for ``unit``'s model (made at the first call: lazy init)."""
-    top = unit
-    while top.parent is not None:
-        top = top.parent
-    if top.root_state is None:
-        top.root_state = Root(top)
-    return top.root_state
+    """The per-root context ``unit`` belongs to."""
+    return unit.root
+
+
+class Order:
+    """The units of a root in the order their forward ran (``zero/api.py``'s ``Order``)."""
+
+    def __init__(self, units: list):
+        self.units = units
+        self.this_iteration: list = []
+        self.last_iteration: list = []
+
+    def begin(self) -> None:
+        """The root's forward opens an iteration."""
+        self.last_iteration, self.this_iteration = (self.this_iteration or
+                                                    self.last_iteration), []
+
+    def end(self) -> None:
+        """Backward is over: this iteration's order is the one to prefetch by."""
+        self.last_iteration, self.this_iteration = self.this_iteration, []
 
 
 class Root:
-    def __init__(self, unit):
-        self.unit = unit
+    """Args:
+    context: the ``CommContext`` every collective of the model goes through.
+    given: what the user gave this ``zero.shard`` call of ``GIVEN`` (None where nothing).
+    """
+
+    def __init__(self, context, given: dict):
+        self.context, self.given = context, given
+        self.unit = None  # the top unit (zero.shard sets it; a parent's call takes it over)
+        self.members: list = []  # every unit pointing here, as zero.shard made them
         self._units: list | None = None
         self._guard: Guard | None = None
-        self._schedule: Schedule | None = None
+        self._schedule = None
+        self._order: Order | None = None
+        self._reductions: Reductions | None = None
+        self.deferred: list = []  # stage 3: to free once their backward is surely over
         self._callback_queued = False
         self.backwards = 0  # backward passes since the root's last forward began
+        self.watching = None  # the global hook listening for optimizers (zero/surface/attach.py)
+        self._served: set = set()  # trainable units an optimizer with zero's hooks stepped
+
+    def add(self, units: list) -> None:
+        """Units this ``zero.shard`` call made; the first is the new top."""
+        self.members += units
+        self.unit = units[0]
+
+    @staticmethod
+    def refuse_conflicts(given: dict, below: "Root") -> None:
+        """The root's ``zero.shard`` was ``given`` these; ``below``, the root of units it is
+        about to take over, must have been given the same, or nothing: a backend, a prefetch
+        depth or a schedule of a unit below the root would otherwise be overruled unsaid."""
+        where = below.unit.name if below.unit is not None else "a unit below"
+        for what in GIVEN:
+            theirs, ours = below.given.get(what), given.get(what)
+            if theirs is not None and theirs is not ours and theirs != ours:
+                raise ValueError(
+                    f"zero.shard({where}, {what}={theirs!r}): {what} is the root's to give, "
+                    f"and this model's root is sharded with {what}={ours!r}. Give {what}= to "
+                    "the root's zero.shard (the last call, on the whole model) only: it reaches "
+                    "every unit under it, as FSDP2's units share their root's context")
+
+    def take(self, below: "Root") -> None:
+        """A parent sharded over the units of ``below`` (a root until now): they point here
+        from now on (``refuse_conflicts`` first)."""
+        self.context.take_names(below.context)
+        below.stop_watching()
+        for u in below.members:
+            u.attach(self)
+        self.members = below.members + self.members
+        self._served |= below._served
+
+    # ---- the optimizers (``zero/surface/attach.py``'s note) ------------------------------
+
+    def served(self, unit) -> None:
+        """An optimizer with zero's hooks stepped ``unit``: once every trainable unit is, stop
+        listening to every optimizer's step."""
+        self._served.add(unit)
+        if self.watching is not None and all(
+                u in self._served for u in self.members if u.unsharded.requires_grad):
+            self.stop_watching()
+
+    def stop_watching(self) -> None:
+        if self.watching is not None:
+            self.watching.remove()
+            self.watching = None
+
+    def share_context(self, context) -> None:
+        """torch's ``share_comm_ctx``: this root's collectives go through ``context`` (and
+        its streams) from now on, shared with other roots (pipeline stages, say)."""
+        context.take_names(self.context)
+        self.context = context
+        if self._reductions is not None:
+            self._reductions.ctx = context
 
     @property
     def units(self) -> list:
@@ -55,7 +143,7 @@ class Root:
         if self._units is None:
             self._units = []
             paths: dict = {}
-            for path, mod in self.unit.module.named_modules():
+            for path, mod in self.unit.modules[0].named_modules():
                 for unit in registry.units_on(mod):
                     paths.setdefault(unit, []).append(path or "root")
             for unit, names in paths.items():  # a unit of several modules: "tok_emb+head"
@@ -66,21 +154,72 @@ class Root:
     @property
     def guard(self) -> Guard:
         if self._guard is None:
-            self._guard = Guard([u for u in self.units if u.stage.frees_parameters])
+            self._guard = Guard([u for u in self.units if u.config.stage.frees_parameters])
         return self._guard
 
     @property
-    def schedule(self) -> Schedule:
+    def schedule(self):
+        """The prefetch policy: the one given to the root's ``zero.shard``, or zero's own with
+        the depth given there (1 by default, FSDP2's)."""
         if self._schedule is None:
-            self._schedule = Schedule(self.units, prefetch=self.unit.controls.prefetch)
+            given = self.given.get("schedule")
+            self._schedule = given if given is not None else Schedule(
+                self.given.get("prefetch") or 1)
         return self._schedule
+
+    @property
+    def order(self) -> Order:
+        if self._order is None:
+            self._order = Order(self.units)
+        return self._order
+
+    @property
+    def reductions(self) -> Reductions:
+        if self._reductions is None:
+            self._reductions = Reductions(self.units, self.context)
+        return self._reductions
+
+    # ---- prefetching, as the schedule says ---------------------------------------------
+
+    def forward_started(self, unit) -> None:
+        """``unit`` starts its forward: record it, and start gathering what the schedule says
+        to gather while it computes."""
+        if unit is self.unit:
+            self.order.begin()
+        self.order.this_iteration.append(unit)
+        for nxt in self.schedule.forward_prefetch(unit, self.order):
+            if nxt.config.stage.frees_parameters:
+                nxt.unshard(phase="forward", async_op=True)
+
+    def backward_started(self, unit) -> None:
+        """``unit`` starts its backward: end the reduction in flight (stages 2/3: one full
+        gradient at a time), and start gathering what the schedule says."""
+        if not unit.config.stage.keep_grads:
+            self.reductions.end_in_flight()
+        for prev in self.schedule.backward_prefetch(unit, self.order):
+            if prev.config.stage.frees_parameters:
+                prev.unshard(phase="backward", async_op=True)
+
+    # ---- deferred frees ------------------------------------------------------------------
+
+    def defer_reshard(self, unit) -> None:
+        """``unit``'s gradient completed inside a recompute's backward (hooks.py's note)."""
+        if unit not in self.deferred:
+            self.deferred.append(unit)
+
+    def free_deferred(self, but) -> None:
+        """Another unit's backward (or recompute) starts: free the units deferred till then."""
+        for u in self.deferred:
+            if u is not but:
+                u.release_after_backward()
+        self.deferred = [u for u in self.deferred if u is but]
 
     # ---- the start of an iteration ---------------------------------------------------
 
     def begin_forward(self) -> None:
         """The root's forward starts: reset what a failure left behind, agree with the other
         ranks on what happened since the last forward, refresh the written shards."""
-        stuck = {u.state for u in self.units} - {TrainingState.IDLE}
+        stuck = {u.iteration.state for u in self.units} - {TrainingState.IDLE}
         if self._callback_queued or stuck - {TrainingState.FORWARD}:
             warnings.warn(
                 "the previous backward raised before it finished: zero discarded its gradients "
@@ -90,9 +229,8 @@ class Root:
         elif stuck:  # the previous forward raised: its gradients were never computed
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
-        comm.agree(self._since_last_forward(written), group=self.unit.all_group,
-                   ctx=self.unit.mesh.context,
-                   device=self.unit.unsharded.device,
+        comm.agree(self._since_last_forward(written), group=self.unit.mesh.all_group,
+                   ctx=self.context, device=self.unit.unsharded.device,
                    fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
@@ -100,7 +238,7 @@ class Root:
                        "forward (under torch.no_grad()) gathers parameters too: run it on every "
                        "rank, or evaluate on one rank with an unsharded copy of the model loaded "
                        "from zero.full_state_dict(model), which every rank must call")
-        self.backwards, self.schedule.reduced = 0, []
+        self.backwards, self.reductions.started = 0, []
         for u in written:
             u.shard_changed()  # stages 1/2 gather the new parameters (async); stage 3 frees
         if self.unit.controls.broadcast_buffers:
@@ -110,14 +248,13 @@ class Root:
         names = lambda units: ", ".join(u.name for u in units) or "none"  # noqa: E731
         # Units run in another order on another rank pair their collectives wrongly: stage 3's
         # all-gathers, stage 2/3's reduce-scatters (a check before each collective would tell
-        # at once: ZERO_CHECK). Stage 1 starts its reductions in a fixed order (schedule.py).
-        schedule = self.schedule
-        ran = schedule.order or schedule.last_order
+        # at once: ZERO_CHECK). Stage 1 starts its reductions in a fixed order (reductions.py).
+        ran = self.order.this_iteration or self.order.last_iteration
         order = ""
-        if self.unit.stage.frees_parameters:
+        if self.unit.config.stage.frees_parameters:
             order += f", in the order {names(ran)}"
-        if not self.unit.stage.keep_grads:
-            order += f", reduced {names(schedule.reduced)}"
+        if not self.unit.config.stage.keep_grads:
+            order += f", reduced {names(self.reductions.started)}"
         mode = "" if torch.is_grad_enabled() else " under no_grad"  # (an evaluation on one rank)
         return (f"start a forward{mode} after {self.backwards} backward(s) since the last one; "
                 f"shards written (opt.step) in units: {names(written)}; units in no_sync: "
@@ -126,12 +263,13 @@ class Root:
 
     def _broadcast_buffers(self) -> None:
         """DDP's ``broadcast_buffers``: rank 0's buffers everywhere, one collective per dtype."""
-        buffers = [b for b in self.unit.module.buffers() if b.numel()]
+        buffers = [b for b in self.unit.modules[0].buffers() if b.numel()]
         for dtype in sorted({b.dtype for b in buffers}, key=str):
             same = [b for b in buffers if b.dtype == dtype]
             flat = torch.cat([b.reshape(-1) for b in same])
-            comm.broadcast(flat, src=0, group=self.unit.all_group, unit="root", phase="forward",
-                           ctx=self.unit.mesh.context)
+            # (numel,) rank 0's -> every rank's, in place
+            self.context.broadcast(flat, src=0, group=self.unit.mesh.all_group, unit="root",
+                                   phase="forward")
             for b, v in zip(same, flat.split([b.numel() for b in same])):
                 b.copy_(v.view_as(b))
 
@@ -143,7 +281,9 @@ class Root:
                 u.grads.discard()
             u.end_iteration()
         self._callback_queued = False
-        self.schedule.reset()
+        self.order.this_iteration = []
+        self.reductions.reset()
+        self.deferred = []
 
     # ---- the end of backward ----------------------------------------------------------
 
@@ -155,18 +295,20 @@ class Root:
     def finish_backward(self) -> None:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
         synced = [u for u in self.units if u.controls.requires_grad_sync]  # the rest accumulate
-        self.schedule.finish_backward(synced)
+        self.order.end()
+        self.reductions.finish(synced)
+        self.deferred = []
         # A parameter unused on this rank may be used on another: agree on "used" (max),
         # like DDP's find_unused_parameters, with one small all-reduce per backward, in flight
         # while the last reduce-scatters end.
         used = [f for u in synced for f in u.grads.used]
         flags = work = None
-        if used and not comm.simulated(self.unit.group):
+        if used and not self.context.simulated(self.unit.mesh.group):
             flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
-            work = comm.all_reduce(flags, op="max", group=self.unit.all_group, unit="root",
-                                   ctx=self.unit.mesh.context,
-                                   phase="backward", async_op=True)
-        self.schedule.wait_reductions(synced)
+            # (F,) -> (F,): 1 where any rank's backward reached the parameter
+            work = self.context.all_reduce(flags, op="max", group=self.unit.mesh.all_group,
+                                           unit="root", phase="backward", async_op=True)
+        self.reductions.wait(synced)
         if work is not None:
             work.wait()
             used = [bool(f) for f in flags.tolist()]

@@ -29,8 +29,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from zero.comm import backend
-from zero.core.flat import LocalShard, Piece, ShardInfo
+from zero.api import Piece, ShardInfo
+from zero.core.flat import LocalShard
 
 
 def local_tensor(t):
@@ -130,8 +130,10 @@ class RowsLayout:
         views ``piece``."""
         lo, hi = self.rows_of(i, rank)
         shape = self.shapes[i]
-        mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(
-            group or backend.world(), piece.device.type)  # (a unit makes its mesh once)
+        if not isinstance(group, DeviceMesh):
+            raise TypeError("layout='rows' places its DTensors on a DeviceMesh (zero.shard "
+                            f"makes one per unit), got {type(group).__name__}")
+        mesh = group
         placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, placements,

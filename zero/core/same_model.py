@@ -13,7 +13,6 @@ on every rank, naming what differs first.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from zero import comm
 
@@ -80,8 +79,8 @@ def fingerprint(names) -> torch.Tensor:
 def check_same_values(names, group, ctx) -> None:
     """Raise on every rank, naming the parameters, unless every rank holds the same values
     (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
-    n = dist.get_world_size(group)
-    if not names or n == 1 or comm.simulated(group):
+    n = ctx.world_size(group)
+    if not names or n == 1 or ctx.simulated(group):
         return
     mine = fingerprint(names)
     every = mine.new_empty(n * len(mine))

@@ -92,4 +92,3 @@ class Controls:
     forward_prefetch: list | None = None  # explicit lists; None: the schedule's own order
     backward_prefetch: list | None = None
     broadcast_buffers: bool = False  # the root: rank 0's buffers before each forward
-    prefetch: int = 1  # the root: units gathered ahead of the one computing (the schedule's)

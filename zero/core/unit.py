@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import guards, registry
 from zero.core.config import MeshInfo, UnitConfig
+from zero.core.flat import LocalShard
 from zero.core.grads import Gradient
 from zero.core.param import ShardedParam
 from zero.core.rows import CopiedOut
@@ -60,10 +61,14 @@ from zero.core.state import Controls, Held, Iteration, ShardedState, TrainingSta
 
 
 class AllGather(NamedTuple):
-    """An all-gather in flight into the unit's full buffer (``ShardedState.GATHERING``)."""
+    """An all-gather in flight into the unit's full buffer (``ShardedState.GATHERING``), and
+    what must stay alive until the computing stream has waited for it (``zero/comm/context.py``'s
+    note on streams): the tensors its side streams and the collective read and write."""
 
     work: object  # its handle: the full parameters are readable after ``wait()``
     phase: str
+    event: object  # recorded on the all-gather stream once issued (None on the CPU)
+    buffers: tuple  # the shard it reads (a host-to-device copy, say), the buffer it fills
 
 
 class Unit:
@@ -75,19 +80,21 @@ class Unit:
             attribute) that uses it.
         config: the unit's policies (``UnitConfig``); mesh: who it talks to (``MeshInfo``).
         controls: the user's settings (``Controls``): ``reshard_after_forward`` and the rest.
+        root: the per-root context it belongs to (``zero/core/root.py``): its comm context,
+            schedule and reductions; the root's ``zero.shard`` call takes it over later.
     """
 
     def __init__(self, modules, params, locations, config: UnitConfig, mesh: MeshInfo,
-                 controls: Controls):
+                 controls: Controls, root):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
         self.config, self.mesh, self.controls = config, mesh, controls
         self.parent: Unit | None = None
         self.sibling_of: Unit | None = None  # the unit made from the same modules (frozen part)
-        self.root_state = None  # the root's duties, if this unit is the root (zero/core/root.py)
+        self.root = root  # the per-root context (zero/core/root.py), re-pointed by the root's
         self.iteration = Iteration()
         self.layout = config.layout([p.shape for p in params], mesh.world_size)
-        self.local = self.layout.local(mesh.rank)  # our slot and pieces
+        self.local = LocalShard(self.layout, mesh.rank)  # our slot and pieces
 
         # A module built on the meta device has no values yet: zero.init_parameters fills them.
         self.materialized = not any(p.is_meta for p in params)
@@ -144,20 +151,7 @@ class Unit:
         registry.mark_piece(p, self, i)
         return p
 
-    # ---- what the unit is: read from its config, mesh and parameters ------------------------
-
-    module = property(lambda self: self.modules[0])
-    stage = property(lambda self: self.config.stage)
-    comm = property(lambda self: self.config.comm)
-    offload = property(lambda self: self.config.offload)
-    param_dtype = property(lambda self: self.config.param_dtype)
-    reduce_dtype = property(lambda self: self.config.reduce_dtype)
-    group = property(lambda self: self.mesh.group)
-    all_group = property(lambda self: self.mesh.all_group)
-    rank = property(lambda self: self.mesh.rank)
-    world_size = property(lambda self: self.mesh.world_size)
-    placement = property(lambda self: self.mesh.placement)  # where DTensors are placed
-    state = property(lambda self: self.iteration.state)  # (moved by zero/core/hooks.py)
+    # ---- what the unit is: its parameters ----------------------------------------------------
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -235,11 +229,12 @@ class Unit:
     def exposed_piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
         """The same piece shown as parameter i is shown (``layout.exposed``): 1-D (flat), a
         DTensor (rows), the whole shape on its owner (whole)."""
-        return self.layout.exposed(self.local.piece(shard, i), i, self.rank, self.placement)
+        return self.layout.exposed(self.local.piece(shard, i), i, self.mesh.rank,
+                                   self.mesh.placement)
 
-    @property
-    def keeps_full_gradient(self) -> bool:
-        return self.grads.keeps_full
+    def attach(self, root) -> None:
+        """Belong to ``root`` (``Root.take``: the root's ``zero.shard`` takes this unit over)."""
+        self.root = root
 
     @property
     def is_unsharded(self) -> bool:
@@ -249,7 +244,7 @@ class Unit:
     def held(self) -> Held:
         """What this unit holds now, for observers (trackers, traces): see ``Held``."""
         g = self.grads
-        return Held(self.sharded_state, self.state, self.sharded, self.unsharded,
+        return Held(self.sharded_state, self.iteration.state, self.sharded, self.unsharded,
                     self._post_forward_shard, self.unsharded.grad,
                     g.reduction.grad if g.reduction else None, g.reduced, g.unsynced)
 
@@ -263,13 +258,17 @@ class Unit:
         return (self.sharded._version, *(p._version for p in self._wrapped))
 
     def _gather(self, phase: str) -> None:
-        """Start an all-gather into the (allocated) full buffer: GATHERING."""
+        """Start an all-gather into the (allocated) full buffer: GATHERING. On an accelerator
+        the copy into the wire (a cast, a host-to-device copy) runs on the context's copy-in
+        stream and the collective on its all-gather stream, beside the computation
+        (``zero/comm/context.py``'s note on streams); ``wait_unshard`` joins them."""
         self._seen_version = self._versions()  # the full parameters will show this shard
         self.stepped = False
         if self.layout.padded_numel == 0:
             self.sharded_state = ShardedState.UNSHARDED
             return
-        comm = self.comm
+        ctx, comm = self.root.context, self.config.comm
+        streams = ctx.streams(self.unsharded.device)
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # from the smaller group
             mesh = self.mesh.post_forward
             source, group, slot = self._post_forward_shard, mesh.group, mesh.slot(
@@ -279,17 +278,23 @@ class Unit:
             # moved exactly, so that backward computes with forward's weights.
             comm = EXACT
         else:  # (host -> device, in the master dtype, under CPU offload)
-            source = self.offload.to_device(self.sharded, self.unsharded.device, self.name, phase)
-            group, slot = self.group, self.local.slot
+            with streams.use(streams.copy_in):
+                source = self.config.offload.to_device(self.sharded, self.unsharded.device,
+                                                       self.name, phase)
+            group, slot = self.mesh.group, self.local.slot
         target = self._unsharded_data
         if self.layout.copies:  # gathered rank-major, copied out where the parameters are
-            target = self._unsharded_data.new_empty(self.layout.padded_numel)
-        # (hpZ is stage 3, where the shard is never inside the full buffer)
-        work = comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
-                               group=group, unit=self.name, phase=phase, ctx=self.mesh.context)
+            target = self._unsharded_data.new_empty(self.layout.padded_numel)  # (computing
+            # stream's memory, as every buffer here: only it frees, after it has waited)
+        streams.all_gather.wait_stream(streams.copy_in)
+        with streams.use(streams.all_gather):
+            # (hpZ is stage 3, where the shard is never inside the full buffer)
+            work = comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
+                                   group=group, unit=self.name, phase=phase, ctx=ctx)
+            event = streams.all_gather.record_event()
         if self.layout.copies:
             work = CopiedOut(work, self.layout, target, self._unsharded_data)
-        self._gathering = AllGather(work, phase)
+        self._gathering = AllGather(work, phase, event, (source, target))
         self.sharded_state = ShardedState.GATHERING
 
     def unshard(self, phase: str, async_op: bool = False) -> None:
@@ -309,9 +314,12 @@ class Unit:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
+        """The gather in flight has ended: the computing stream waits for its streams' work
+        (the collective itself by ``wait()``), and what it read and wrote may go."""
         if self.sharded_state is ShardedState.GATHERING:
-            self._gathering.work.wait()
-            self._gathering = None
+            gathering, self._gathering = self._gathering, None
+            self.root.context.streams(self.unsharded.device).wait(gathering.event)
+            gathering.work.wait()
             self.sharded_state = ShardedState.UNSHARDED
 
     def shard_written(self) -> bool:
@@ -332,7 +340,7 @@ class Unit:
         unit pinned by ``zero.unshard``). After a forward that backward will follow, a unit
         with a ``post_forward`` mesh (hpZ) keeps this rank's slice of the parameters over
         that smaller group, for backward's all-gather within it (SHARDED_POST_FORWARD)."""
-        if self.stage.keep_params or self.controls.pinned or not self.is_unsharded:
+        if self.config.stage.keep_params or self.controls.pinned or not self.is_unsharded:
             return
         self.wait_unshard()
         kept = None
@@ -362,7 +370,7 @@ class Unit:
         self.materialized = True
         self.stepped = False
         self.drop_post_forward_shard()  # made from the old values
-        if self.stage.keep_params or (self.controls.pinned and self.is_unsharded):
+        if self.config.stage.keep_params or (self.controls.pinned and self.is_unsharded):
             self.wait_unshard()
             self._gather(phase=phase)
         else:
@@ -384,7 +392,7 @@ class Unit:
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """A floating-point forward input, in the compute dtype (mixed precision)."""
-        return t.to(self.param_dtype) if t.is_floating_point() else t
+        return t.to(self.config.param_dtype) if t.is_floating_point() else t
 
     def cast_output(self, t: torch.Tensor) -> torch.Tensor:
         """A floating-point forward output, in ``MixedPrecision.output_dtype``."""
@@ -410,4 +418,4 @@ class Unit:
         setting = self.controls.reshard_after_forward
         if self.sibling_of is not None and setting is None:
             return self.sibling_of.reshard_after_forward
-        return self.stage.reshards_after_forward(setting, is_root=self.parent is None)
+        return self.config.stage.reshards_after_forward(setting, is_root=self.parent is None)

@@ -27,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-from zero.core.flat import LocalShard, Piece, ShardInfo
+from zero.api import Piece, ShardInfo
+from zero.core.flat import LocalShard
 
 
 class WholeLayout:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from zero.comm import ledger
 
@@ -59,6 +60,9 @@ class OnDevice:
         return shard if keep else shard.clone()
 
     def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
+        return None
+
+    def after_step(self, optimizer, units: list) -> None:
         return None
 
     def resident(self, optimizer, units: list):
@@ -95,6 +99,10 @@ class CPUOffload:
         host shards as usual (disk offload steps them itself: ``zero/features/disk_offload.py``)."""
         return None
 
+    def after_step(self, optimizer, units: list) -> None:
+        """This policy's part after ``opt.step()``: none."""
+        return None
+
     def resident(self, optimizer, units: list):
         """The optimizer state of ``units`` in memory for a checkpoint: it always is."""
         return contextlib.nullcontext()
@@ -108,14 +116,11 @@ class CPUOffload:
 
 
 def offload_from_torch(policy):
-    """Ours for None (no offload: ``OnDevice``), torch's ``OffloadPolicy`` (the same) and
-    ``CPUOffloadPolicy``; ours as they are."""
-    if isinstance(policy, (OnDevice, CPUOffload)):
-        return policy
-    kind = type(policy).__name__
-    if policy is None or kind == "OffloadPolicy":
+    """``OnDevice()`` for None and for torch's ``OffloadPolicy`` (no offload), ``CPUOffload``
+    for torch's ``CPUOffloadPolicy``; anything else as it is: ``zero.shard`` then checks it
+    against ``zero/api.py``'s ``OffloadPolicy``, whatever its class."""
+    if policy is None or type(policy) is OffloadPolicy:
         return OnDevice()
-    if kind == "CPUOffloadPolicy":
+    if isinstance(policy, CPUOffloadPolicy):
         return CPUOffload(pin_memory=policy.pin_memory)
-    raise TypeError(f"offload_policy must be zero.CPUOffload, zero.DiskOffload (or torch's "
-                    f"CPUOffloadPolicy), got {kind}")
+    return policy

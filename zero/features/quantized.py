@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import collectives
 from zero.comm.flat_collectives import FlatCollectives
 
 BLOCK = 256  # elements per scale (ours; DeepSpeed's qwZ groups by a similar fixed size)
@@ -78,7 +77,7 @@ class QuantizedWeights(FlatCollectives):
         return q.view(-1), scale.view(-1)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx=None):
+                   in_place: bool, group, unit: str, phase: str, ctx):
         if in_place:
             raise ValueError("QuantizedWeights (qwZ) rewrites every rank's slot of the full "
                              "buffer with dequantized values: it needs the shard apart from it "
@@ -89,8 +88,8 @@ class QuantizedWeights(FlatCollectives):
         # (N, nb*B + 4*nb), one all-gather (one ring's latency, not two)
         message = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
         gathered = message.new_empty(n, message.numel())
-        work = collectives.all_gather(gathered.view(-1), message, group=group, unit=unit,
-                                      phase=phase, async_op=True, ctx=ctx)
+        work = ctx.all_gather(gathered.view(-1), message, group=group, unit=unit, phase=phase,
+                              async_op=True)
         return _Dequantized(work, gathered, full, n, shard.numel(), q.numel())
 
 

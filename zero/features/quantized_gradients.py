@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import backend, collectives
-from zero.comm.context import context_of
 from zero.comm.flat_collectives import FlatCollectives
 from zero.features.quantized import dequantize_rows, quantize_rows
 
@@ -80,7 +78,7 @@ class QuantizedGradients(FlatCollectives):
                              f"node ({self.ranks} is not): rank i*g + j of the shard group is "
                              "local rank j of node i, the order the unit's shards are in")
         if mesh.get_coordinate() is None:
-            raise ValueError(f"this rank ({backend.rank(None)}) is not in QuantizedGradients' mesh "
+            raise ValueError(f"this rank ({mesh.get_rank()}) is not in QuantizedGradients' mesh "
                              f"{self.ranks}: build the policy on the ranks of the mesh only")
         self.intra, self.inter = mesh.get_group(1), mesh.get_group(0)
         self.block, self.weights = block, weights or FlatCollectives()
@@ -112,9 +110,9 @@ class QuantizedGradients(FlatCollectives):
         return r * (nb * self.block // 2 + 4 * nb)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str, ctx=None):
+                       phase: str, ctx):
         n, g = self.nodes, self.per_node
-        sharded_over = [backend.global_rank(group, r) for r in range(backend.world_size(group))]
+        sharded_over = [ctx.backend.global_rank(group, r) for r in range(ctx.world_size(group))]
         if sharded_over != self.ranks:  # (the same answer on every rank of the group)
             raise ValueError(
                 f"QuantizedGradients' mesh ({n}x{g}, ranks {self.ranks}) must hold the ranks the "
@@ -128,11 +126,10 @@ class QuantizedGradients(FlatCollectives):
         for j in range(g):  # to local rank j: the n shards it owns (one chunk at a time, so
             send[j] = self.encode(shards[:, j, :])  # that no copy of the whole gradient is made)
         recv = torch.empty_like(send)
-        ctx = context_of(ctx)
         ctx.name_group(self.intra, "intra-node")  # (for the ledger)
         ctx.name_group(self.inter, "inter-node")
-        work = collectives.all_to_all(recv.view(-1), send.view(-1), group=self.intra, unit=unit,
-                                      phase=phase, async_op=True, ctx=ctx)
+        work = ctx.all_to_all(recv.view(-1), send.view(-1), group=self.intra, unit=unit,
+                              phase=phase, async_op=True)
         return _SecondHop(self, work, recv, grad, slot, size, op, unit, phase, ctx)
 
 
@@ -154,8 +151,7 @@ class _SecondHop:
             node_part += p.decode(self.recv[j], n, size)
         send = p.encode(node_part)  # row i' (shard i'*g + j) to node i'
         recv = torch.empty_like(send)
-        collectives.all_to_all(recv, send, group=p.inter, unit=self.unit, phase=self.phase,
-                               ctx=self.ctx)
+        self.ctx.all_to_all(recv, send, group=p.inter, unit=self.unit, phase=self.phase)
         total = torch.zeros(size, dtype=torch.float32, device=self.grad.device)
         for part in recv.view(n, -1):  # every node's part of our shard, in node order
             total += p.decode(part, 1, size)[0]

@@ -5,14 +5,15 @@ the old tensors, or reads the pieces as if they were whole, would compute silent
 results; each way in gets a hook that either does the right thing or raises, naming the fix:
 
 - an optimizer over zero's pieces: at its first step zero attaches a step pre-hook and a
-  post-hook to it (to it alone: other optimizers are never touched again). The pre-hook runs
-  last among its pre-hooks, after the user's own (a warm-up that sets this step's lr), so
-  it sees the step exactly as torch would run it: it waits for any all-gather still reading
-  the shard the step is about to write, refuses the replaced originals (built before
-  sharding) and an optimizer that would compute something else on the pieces a layout gives
-  it, and lets each unit's offload policy take its part of the step (disk offload steps unit
-  by unit: ``zero/features/disk_offload.py``). The post-hook marks the units it stepped, on every
-  rank, even one that holds none of a unit's elements;
+  post-hook to it (to it alone). They run in torch's order, after the pre-hooks the user
+  registered before that first step (a warm-up that sets this step's lr): the pre-hook waits
+  for any all-gather still reading the shard the step is about to write, refuses the replaced
+  originals (built before sharding) and an optimizer that would compute something else on
+  the pieces a layout gives it, and lets each unit's offload policy take its part of the
+  step (disk offload steps unit by unit: ``zero/features/disk_offload.py``; a pre-hook
+  registered after the first step that changes the step's settings then comes too late,
+  and the post-hook says so). The post-hook gives the policies their part after the step,
+  and marks the units stepped, on every rank, even one that holds none of a unit's elements;
 - the original parameters: a module outside the sharded model that shares one would train
   it on each rank alone; a gradient reaching an original raises;
 - ``load_state_dict(sd, assign=True)`` with the model's own kind of parameters (FSDP2's
@@ -22,20 +23,23 @@ results; each way in gets a hook that either does the right thing or raises, nam
   wrong, everywhere); they raise and point to ``zero.full_state_dict`` /
   ``zero.load_full_state_dict`` and ``zero.save`` / ``zero.load``.
 
-[Note: the one process-wide hook] torch gives no hook for an optimizer being built, so zero
-learns of one at its first step: a global step pre-hook (registered once, found in torch's
-own table of global hooks) asks whether the optimizer holds zero's pieces, attaches the two
-hooks above if so, and marks it; for any other optimizer it does nothing after that first
-look (it looks again only if a parameter group is added).
+[Note: finding the optimizers] torch gives no hook for an optimizer being built, so zero
+learns of one at its first step. Each root listens (``watch``) with torch's global step
+pre-hook, which asks each optimizer stepping whether it holds the root's pieces and attaches
+the two hooks above if so; once every trainable unit of the root is served by an optimizer
+that way, the root stops listening (the global hook is removed), so that in steady state no
+hook of zero's runs for an optimizer it does not serve. A root whose units no optimizer ever
+steps keeps listening, and lets go when it is garbage collected.
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zero.core import registry
 from zero.core.guards import state_dict_access_granted
@@ -60,10 +64,8 @@ def _outside_use(name: str, unit, grad):
 
 
 def install(modules: list[nn.Module]) -> None:
-    """The hooks, on every module that holds a sharded parameter (and the unit's own); and
-    the one global hook that finds the optimizers over zero's pieces (module note)."""
-    if _discover not in _global_optimizer_pre_hooks.values():
-        register_optimizer_step_pre_hook(_discover)
+    """The state-dict hooks, on every module that holds a sharded parameter (and the unit's
+    own)."""
     for module in modules:
         if not getattr(module, "_zero_state_dict_hooks", False):
             module.register_state_dict_pre_hook(_state_dict_pre_hook)
@@ -72,19 +74,32 @@ def install(modules: list[nn.Module]) -> None:
             module._zero_state_dict_hooks = True
 
 
-def _discover(optimizer, args, kwargs) -> None:
-    """The global pre-hook: attach zero's hooks to an optimizer over its pieces (once), and
-    keep zero's pre-hook the last of the optimizer's own, after any the user added since."""
+def watch(root) -> None:
+    """Listen for the first step of the optimizers over ``root``'s units (module note)."""
+    ref = weakref.ref(root)
+
+    def discover(optimizer, args, kwargs) -> None:
+        if ref() is not None:
+            serve(optimizer)
+        return None
+
+    root.stop_watching()  # (a second watch: the parent's call, say)
+    root.watching = register_optimizer_step_pre_hook(discover)
+    weakref.finalize(root, root.watching.remove)
+
+
+def serve(optimizer) -> None:
+    """Attach zero's two hooks to ``optimizer`` if it holds zero's pieces (once; looked at
+    again only if a parameter group was added since)."""
     seen = optimizer.__dict__.get("_zero_seen")
-    if seen is None or seen[0] != len(optimizer.param_groups):
-        handle = seen[1] if seen is not None else None
-        if handle is None and units_of_optimizer(optimizer):
-            handle = optimizer.register_step_pre_hook(_before_step)
-            optimizer.register_step_post_hook(_after_step)
-        optimizer._zero_seen = seen = (len(optimizer.param_groups), handle)
-    if seen[1] is not None:
-        optimizer._optimizer_step_pre_hooks.move_to_end(seen[1].id)  # torch's order: ours last
-    return None
+    if seen is not None and seen[0] == len(optimizer.param_groups):
+        return
+    attached = seen is not None and seen[1]
+    if not attached and units_of_optimizer(optimizer):
+        optimizer.register_step_pre_hook(_before_step)
+        optimizer.register_step_post_hook(_after_step)
+        attached = True
+    optimizer._zero_seen = (len(optimizer.param_groups), attached)
 
 
 def units_of_optimizer(optimizer) -> list:
@@ -112,9 +127,7 @@ def _before_step(optimizer, args, kwargs):
         _guard_state_dicts(optimizer, units)
     for unit in units:
         unit.wait_unshard()  # an in-place gather may still read the shard the step writes
-    policies: dict = {}  # each offload policy, with its units, in the units' order
-    for unit in units:
-        policies.setdefault(unit.offload, []).append(unit)
+    policies = _by_policy(units)
     changed = None
     for policy, its_units in policies.items():
         out = policy.before_step(optimizer, its_units, args, kwargs)
@@ -123,7 +136,22 @@ def _before_step(optimizer, args, kwargs):
                              f"it their own way ({len(policies)} policies): give all its units "
                              "one offload policy")
         changed = out if out is not None else changed
+    if changed is not None:  # a policy stepped itself: with the settings it saw (_after_step)
+        optimizer._zero_step_settings = _settings(optimizer)
     return changed
+
+
+def _by_policy(units: list) -> dict:
+    """Each offload policy, with its units, in the units' order."""
+    policies: dict = {}
+    for unit in units:
+        policies.setdefault(unit.config.offload, []).append(unit)
+    return policies
+
+
+def _settings(optimizer) -> list[str]:
+    """The optimizer's settings (each parameter group's, but its parameters), as text."""
+    return [repr({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
 
 
 # [Note: an optimizer's state dict] torch's optimizer.state_dict() holds each parameter's
@@ -194,10 +222,22 @@ def _refuse_whole_tensor_optimizers(optimizer, units) -> None:
 
 
 def _after_step(optimizer, args, kwargs) -> None:
-    """Mark every unit with a parameter in ``optimizer`` as stepped: the next forward refreshes
-    it on every rank, whether or not this rank holds any of its elements (``whole``)."""
-    for unit in units_of_optimizer(optimizer):
+    """The policies' part after the step; then mark every unit with a parameter in
+    ``optimizer`` as stepped: the next forward refreshes it on every rank, whether or not this
+    rank holds any of its elements (``whole``). A root whose trainable units are all served by
+    an optimizer stops listening for optimizers (module note)."""
+    units = units_of_optimizer(optimizer)
+    settings = optimizer.__dict__.pop("_zero_step_settings", None)
+    if settings is not None and settings != _settings(optimizer):
+        raise RuntimeError(
+            "a step pre-hook registered on this optimizer after its first step changed its "
+            "settings (lr, ...) after zero's offload policy had already stepped with the old "
+            "ones: register step pre-hooks before the first opt.step()")
+    for policy, its_units in _by_policy(units).items():
+        policy.after_step(optimizer, its_units)
+    for unit in units:
         unit.mark_stepped()
+        unit.root.served(unit)
 
 
 def _shows_dtensors(module) -> bool:

@@ -12,6 +12,7 @@ argument (``zero.unshard(model)``), because zero does not change your module's c
     zero.set_reshard_after_backward(module, False)            keep units gathered across
                                                               gradient-accumulation micro-batches
     zero.set_requires_gradient_sync(module, False)            ``no_sync`` without a context
+    with zero.no_sync(model): ...                             DDP's: accumulate, unsynced
 
 One difference, on purpose: FSDP2's ``unshard()`` only gathers (the next forward's hooks
 reshard as usual); ours also *pins* the unit, so that a loop of forwards, evaluation or
@@ -20,6 +21,8 @@ An optimizer step meanwhile re-gathers the pinned unit from its new shard at the
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch.nn as nn
 
@@ -91,7 +94,7 @@ def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,
                               recurse: bool = True) -> None:
     """Stage 3: free the parameters after forward (True) or keep them for backward (False)."""
     for unit in _units(module, recurse):
-        if unit.stage.keep_params:
+        if unit.config.stage.keep_params:
             raise ValueError("reshard_after_forward only applies to stage 3: stages 1 and 2 "
                              "always keep their full parameters")
         unit.controls.reshard_after_forward = reshard_after_forward
@@ -111,3 +114,23 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool,
     (False), as ``zero.no_sync`` does for the duration of a ``with`` block."""
     for unit in _units(module, recurse):
         unit.controls.requires_grad_sync = requires_gradient_sync
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Accumulate gradients over micro-batches without communication (like DDP's ``no_sync``).
+
+    Inside, backward leaves each unit's full flat gradient in place (full-size, as in DDP);
+    the first backward outside reduces everything accumulated. As with DDP,
+    ``optimizer.zero_grad()`` (or ``model.zero_grad()``) in between discards what was
+    accumulated.
+    """
+    units = registry.units_of(model)
+    before = [u.controls.requires_grad_sync for u in units]
+    for u in units:
+        u.controls.requires_grad_sync = False
+    try:
+        yield
+    finally:
+        for u, b in zip(units, before):
+            u.controls.requires_grad_sync = b

@@ -43,7 +43,6 @@ from zero.core import registry
 from zero.surface.policies import MixedPrecision
 from zero.surface.shard import shard
 
-_CLASSES: dict[type, type] = {}  # original class -> its FSDP<Class>
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
@@ -109,10 +108,17 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             unit.params_on_meta()
     for m in modules:
         cls = type(m)
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (ZeroFSDPModule, cls), {})
-        m.__class__ = _CLASSES[cls]
+        m.__class__ = _fsdp_class(cls)
     return module
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Class>``, made once per class and kept on it (FSDP2 keeps a table of them)."""
+    made = cls.__dict__.get("_zero_fsdp_class")
+    if made is None:
+        made = type(f"FSDP{cls.__name__}", (ZeroFSDPModule, cls), {})
+        cls._zero_fsdp_class = made
+    return made
 
 
 def _not_freed(call: str) -> None:
@@ -151,15 +157,15 @@ class ZeroFSDPModule(FSDPModule):
         """Stage 3's knob. At stages 1 and 2 the parameters stay gathered (``_not_freed``);
         torchtitan's chunked loss sets it False on ``lm_head``, then True again."""
         for unit in self._units(recurse):
-            if unit.stage.frees_parameters:
+            if unit.config.stage.frees_parameters:
                 unit.controls.reshard_after_forward = reshard_after_forward
             elif reshard_after_forward:
-                _not_freed(f"set_reshard_after_forward(True) at stage {unit.stage.number}")
+                _not_freed(f"set_reshard_after_forward(True) at stage {unit.config.stage.number}")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
         """Stage 3 (at stages 1 and 2 the parameters stay gathered, as ``_not_freed`` says)."""
-        if reshard_after_backward and any(not u.stage.frees_parameters
+        if reshard_after_backward and any(not u.config.stage.frees_parameters
                                           for u in self._units(recurse)):
             _not_freed("set_reshard_after_backward(True)")
         controls.set_reshard_after_backward(self, reshard_after_backward, recurse=recurse)

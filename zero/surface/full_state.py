@@ -24,15 +24,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
-    comm.agree("gather a full state dict", group=units[0].all_group, ctx=units[0].mesh.context,
+    comm.agree("gather a full state dict", group=units[0].mesh.all_group, ctx=units[0].root.context,
                fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
                    "you need on rank 0")
     try:
         for unit in units:
             flat = unit.sharded.new_empty(unit.layout.padded_numel)
             # (S,) per rank -> (N*S,): the master weights, whole
-            comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other",
-                            ctx=unit.mesh.context)
+            comm.all_gather(flat, unit.sharded, group=unit.mesh.group, unit=unit.name, phase="other",
+                            ctx=unit.root.context)
             unit.use(unit.layout.views(unit.layout.from_wire(flat)))  # (rows: copied out)
         with state_dict_access():
             return model.state_dict()
@@ -57,7 +57,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys).
     """
     units = units_of(model)
-    group, ctx = units[0].all_group, units[0].mesh.context
+    group, ctx = units[0].mesh.all_group, units[0].root.context
     comm.agree(f"load a full state dict (broadcast_from_rank0={broadcast_from_rank0})",
                group=group, ctx=ctx, fix="Call zero.load_full_state_dict on every rank, with "
                                          "the same broadcast_from_rank0")

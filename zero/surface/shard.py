@@ -8,13 +8,14 @@ module's parameters that no unit below it owns yet::
     zero.shard(model, stage=3)   # the root: embeddings, final norm, head
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding
 
-Every check runs on every rank before the first collective, and the ranks agree on the
-outcome (``comm.raising_together``, ``comm.agree``): a mistake on one rank raises on all of them, none hangs.
+A call goes in four steps: the ranks' groups and the root's context (``_context``); the local
+checks (``zero/surface/claim.py``), run on every rank before the first collective, the ranks
+agreeing on the outcome (``comm.raising_together``): a mistake on one rank raises on all of
+them, none hangs; the ranks agree on the model and its values (``zero/core/same_model.py``);
+then the units are made (``_make_units``) and hooked (``_install``).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -22,18 +23,21 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zero import api, comm
-from zero.core import same_model
-from zero.features import wrap
-from zero.surface import attach
 from zero.comm.context import CommContext
 from zero.comm.flat_collectives import FlatCollectives
-from zero.core import hooks, registry
-from zero.core.registry import piece_of, unit_of, units_of, units_on
+from zero.core import hooks, registry, same_model
 from zero.core.config import HSDPMeshInfo, MeshInfo, UnitConfig
+from zero.core.registry import piece_of, unit_of, units_of, units_on
+from zero.core.root import Root
 from zero.core.stage import STAGES
 from zero.core.state import Controls
 from zero.core.unit import Unit
+from zero.features import wrap
 from zero.features.offload import offload_from_torch
+from zero.surface import attach
+from zero.surface.claim import claim, device_of, named
+from zero.surface.controls import no_sync
+from zero.surface.options import Options, describe
 from zero.surface.policies import MixedPrecision, layout_class
 
 __all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
@@ -57,7 +61,8 @@ def shard(
     auto_wrap_policy=None,
     sharding_strategy=None,
     offload_policy=None,
-    prefetch: int = 1,
+    prefetch: int | None = None,
+    schedule=None,
     backend=None,
     _leave: frozenset = frozenset(),
 ) -> nn.Module | list[nn.Module]:
@@ -93,9 +98,9 @@ def shard(
             forward each rank keeps its slice of the unit's parameters over the node (a
             secondary shard, P / ranks-per-node), and backward gathers them within the node
             only; the gradient is still reduced over ``group``.
-        comm_policy: how the unit's flat buffers cross the ranks: an object with
-            ``all_gather`` and ``reduce_scatter`` as ``zero/comm/flat_collectives.py``'s
-            ``FlatCollectives`` (None: that one, cast then in place).
+        comm_policy: how the unit's flat buffers cross the ranks: a ``CommPolicy``
+            (``zero/api.py``), such as ``zero/comm/flat_collectives.py``'s ``FlatCollectives``
+            (None: that one, cast then in place) or ZeRO++'s ``zero.QuantizedWeights()``.
         sync_module_states: copy rank 0's values of the unit's parameters and buffers to
             every rank first (FSDP1's name; DDP always does): for weights loaded on rank 0
             only. Otherwise every rank must hold the same values already: a fingerprint
@@ -117,12 +122,19 @@ def shard(
             there (ZeRO-Offload; ``zero/features/offload.py``); ``zero.DiskOffload(directory)``: and the
             optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's disk
             tier; ``zero/features/disk_offload.py``). None: on the compute device.
-        prefetch: the root only: how many units to gather ahead of the one computing, in
-            forward (the next ones to run) and in backward (the ones before it); 1 by default,
-            as FSDP2 (``zero/core/schedule.py``).
-        backend: the ``Backend`` every collective of this unit goes through (``zero/api.py``;
-            default ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
+        prefetch: how many units to gather ahead of the one computing, in forward (the next
+            ones to run) and in backward (the ones before it); 1 by default, as FSDP2
+            (``zero/core/schedule.py``).
+        schedule: instead of ``prefetch``, a ``Schedule`` (``zero/api.py``): which units to
+            gather while each one computes.
+        backend: the ``Backend`` every collective goes through (``zero/api.py``; default
+            ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
             ``zero.features.logging_backend.LoggingBackend(path)`` writes each one to a file.
+
+    ``prefetch``, ``schedule`` and ``backend`` are the root's to give (the last call, on the
+    whole model): there they reach every unit under it, which share one context, as FSDP2's
+    units share their root's. A unit below given one that differs from the root's is refused
+    when the root is sharded.
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
             (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
             of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
@@ -136,94 +148,141 @@ def shard(
         ``module``, whose parameters are now this rank's pieces (same names). Build the
         optimizer after this call.
     """
+    options = Options(stage, group, mesh, mp_policy, reshard_after_forward, device,
+                      broadcast_buffers, ignored_params, secondary_group, comm_policy,
+                      sync_module_states, layout, auto_wrap_policy, sharding_strategy,
+                      offload_policy, prefetch, schedule, backend)
     if auto_wrap_policy is not None or sharding_strategy is not None:
-        kwargs = dict(group=group, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-                      device=device, ignored_params=ignored_params, secondary_group=secondary_group,
-                      comm_policy=comm_policy, sync_module_states=sync_module_states,
-                      layout=layout, offload_policy=offload_policy, prefetch=prefetch,
-                      backend=backend)
-        return _shard_by_policy(module, stage, mesh, auto_wrap_policy, sharding_strategy, kwargs)
-    stage = 3 if stage is None else stage
-    offload_policy = offload_from_torch(offload_policy)
+        return _shard_by_policy(module, options)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    _shard(modules, options, _leave)
+    return module
+
+
+def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
+    stage = 3 if o.stage is None else o.stage
+    offload = offload_from_torch(o.offload_policy)
+    mp_policy = o.mp_policy
     if type(mp_policy).__name__ == "MixedPrecisionPolicy":  # torch's: the same four fields
         mp_policy = MixedPrecision.from_torch(mp_policy)
-    ignored = {id(p) for p in ignored_params or ()} | set(_leave)  # (_leave: for a unit above)
-    if backend is not None:  # (checked first: the ranks agree through it)
-        api.check(backend, api.Backend, "backend")
-    ctx = CommContext(backend)  # every collective of this call's units goes through it
-    group, replicate_group, all_group = _groups(group, mesh, ctx)
-    if secondary_group is not None:
-        ctx.name_group(secondary_group, "intra-node")
+    ignored = {id(p) for p in o.ignored_params or ()} | set(leave)  # (leave: for a unit above)
+    ctx, group, replicate_group, all_group = _context(o)
     with comm.raising_together(all_group, ctx=ctx):
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("zero.shard takes a module, or a non-empty list of modules")
-        if secondary_group is not None and stage != 3:
+        if o.secondary_group is not None and stage != 3:
             raise ValueError("secondary_group (hpZ) only applies to stage 3: stages 1 and 2 "
                              "keep their full parameters, so backward gathers nothing")
-        device = _device(modules[0], group, device)
-        layout = layout_class(layout)
-        if comm_policy is not None:
-            api.check(comm_policy, api.CommPolicy, "comm_policy")
-        api.check(offload_policy, api.OffloadPolicy, "offload_policy")
-        api.check(layout(((2,),), 1), api.Layout, "layout")
-        if type(prefetch) is not int or prefetch < 0:
-            raise ValueError(f"prefetch={prefetch!r}: how many units to gather ahead, 0 or more")
-        offload_policy.check(layout)
-        if layout.copies and secondary_group is not None:
+        device = device_of(modules[0], o.device, ctx.default_device(group))
+        layout = layout_class(o.layout)
+        _check_seams(o, offload, layout)
+        if layout.copies and o.secondary_group is not None:
             raise ValueError(f"layout={layout.name!r} is not supported with hpZ (a "
                              "secondary_group) yet: use layout='flat' there")
-        params, locations, children = _check(modules, stage, mp_policy, reshard_after_forward,
-                                             ignored)
+        params, locations, children = claim(modules, stage, mp_policy,
+                                            o.reshard_after_forward, ignored)
         if any(child.layout.name != layout.name for child in children):
             raise ValueError(f"the units below {type(modules[0]).__name__} use layout "
                              f"{children[0].layout.name!r}, this call {layout.name!r}: use one "
                              "layout for all units of a model")
-    names = _names(modules, params)
-    desc = [[type(m).__name__ for m in modules], stage, str(mp_policy), reshard_after_forward,
-            broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
-                                      if id(p) in ignored)]
+        roots_below = list({c.root: None for c in children})
+        for below in roots_below:
+            Root.refuse_conflicts(o.given_to_root(), below)
+    names = named(modules, params)
+    _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offload, o, ignored,
+                        ctx, all_group)
+    root = Root(ctx, o.given_to_root())
+    mesh_info = _mesh_info(group, replicate_group, all_group, o, ctx,
+                           layout.exposes_dtensors and offload.home(torch.device(device)))
+    units, originals = _make_units(modules, params, locations, stage, mp_policy, layout,
+                                   offload, device, mesh_info, o, root)
+    for below in roots_below:
+        root.take(below)
+    for child in children:
+        if child.parent is None:
+            child.place_under(units[0])
+    _install(modules, units, originals, locations, names, o)
+    attach.watch(root)  # for the optimizers that will step these units
+
+
+def _context(o: Options):
+    """The root's comm context for this call's units, and the groups: (context, shard group,
+    replicate group or None, the group of every rank)."""
+    if o.backend is not None:  # (checked first: the ranks agree through it)
+        api.check(o.backend, api.Backend, "backend")
+    ctx = CommContext(o.backend)  # the units of this call, and later every unit under them
+    group, replicate_group, all_group = _groups(o.group, o.mesh, ctx)
+    if o.secondary_group is not None:
+        ctx.name_group(o.secondary_group, "intra-node")
+    return ctx, group, replicate_group, all_group
+
+
+def _check_seams(o: Options, offload, layout) -> None:
+    """Every object given for a seam, against its protocol in ``zero/api.py``, by signature."""
+    if o.comm_policy is not None:
+        api.check(o.comm_policy, api.CommPolicy, "comm_policy")
+    api.check(offload, api.OffloadPolicy, "offload_policy")
+    api.check(layout, api.Layout, "layout", is_class=True)
+    if o.schedule is not None:
+        api.check(o.schedule, api.Schedule, "schedule")
+        if o.prefetch is not None:
+            raise ValueError("give zero.shard prefetch= (the depth of zero's own schedule) or "
+                             "schedule= (one of yours, which decides the depth itself), not both")
+    if o.prefetch is not None and (type(o.prefetch) is not int or o.prefetch < 0):
+        raise ValueError(f"prefetch={o.prefetch!r}: how many units to gather ahead, 0 or more")
+    offload.check(layout)
+
+
+def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offload, o, ignored,
+                        ctx, all_group) -> None:
+    """The ranks agree on what this call shards, then on its values (or take rank 0's)."""
+    desc = [[type(m).__name__ for m in modules], stage, str(mp_policy), o.reshard_after_forward,
+            o.broadcast_buffers, sorted(n for m in modules for n, p in m.named_parameters()
+                                        if id(p) in ignored)]
     desc += [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in names]
     # Every policy by its parameters, not its class (qwZ's block size decides how each rank
     # reads the others' bytes); a per-rank path (DiskOffload's directory) is left out.
     desc += [("policy", field, value) for field, value in (
-        ("layout", layout.name), ("comm_policy", repr(comm_policy)),
-        ("offload_policy", repr(offload_policy)), ("backend", repr(ctx.backend)),
-        ("prefetch", prefetch), ("mesh", None if mesh is None else tuple(mesh.shape)),
-        ("secondary_group", None if secondary_group is None else
-         ctx.backend.world_size(secondary_group)))]
-    desc.append(("values", any(p.is_meta for p in params), sync_module_states))
+        ("layout", layout.name), ("comm_policy", describe(o.comm_policy)),
+        ("offload_policy", describe(offload)), ("backend", describe(ctx.backend)),
+        ("prefetch", o.prefetch), ("schedule", describe(o.schedule)),
+        ("mesh", None if o.mesh is None else tuple(o.mesh.shape)),
+        ("secondary_group", None if o.secondary_group is None else
+         ctx.world_size(o.secondary_group)))]
+    desc.append(("values", any(p.is_meta for p in params), o.sync_module_states))
     same_model.check_same_description(desc, all_group, ctx)
-    if sync_module_states:
+    if o.sync_module_states:
         same_model.take_rank0_values(modules, params, all_group, ctx)
     elif not any(p.is_meta for p in params):  # (on the meta device: no values yet)
         same_model.check_same_values(names, all_group, ctx)
 
-    # Frozen parameters get a unit of their own, beside the trainable ones: no gradient is
-    # ever formed, reduced or stored for them (a LoRA model's frozen base weights).
+
+def _make_units(modules, params, locations, stage, mp_policy, layout, offload, device,
+                mesh_info, o: Options, root) -> tuple[list[Unit], list[list]]:
+    """One unit of the trainable parameters, and one of the frozen ones beside it: no
+    gradient is ever formed, reduced or stored for those (a LoRA model's base weights)."""
     groups = [[i for i, p in enumerate(params) if p.requires_grad == trainable]
               for trainable in (True, False)]
     groups = [g for g in groups if g] or [[]]
-    comm_policy = comm_policy or FlatCollectives()
-    info = _mesh_info(group, replicate_group, secondary_group, all_group, mesh, ctx,
-                      layout.exposes_dtensors and offload_policy.home(torch.device(device)))
+    comm_policy = o.comm_policy or FlatCollectives()
     units = []
     for k, g in enumerate(groups):
         master_dtype = params[g[0]].dtype if g else torch.float32
         config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, layout, comm_policy,
-                                 offload_policy, device)
-        controls = Controls(reshard_after_forward=reshard_after_forward,
-                            broadcast_buffers=broadcast_buffers and k == 0, prefetch=prefetch)
+                                 offload, device)
+        controls = Controls(reshard_after_forward=o.reshard_after_forward,
+                            broadcast_buffers=o.broadcast_buffers and k == 0)
         units.append(Unit(modules, [params[i] for i in g], [locations[i] for i in g], config,
-                          info, controls))
-    originals = [[params[i] for i in g] for g in groups]
-    unit = units[0]  # the trainable one, if any: the others follow it (Unit.sibling_of)
-    for sibling in units[1:]:
-        sibling.place_under(unit, sibling=True)
-    for child in children:
-        if child.parent is None:
-            child.place_under(unit)
-    for p in ignored_params or ():
+                          mesh_info, controls, root))
+    root.add(units)
+    for sibling in units[1:]:  # the trainable one, if any: the others follow it
+        sibling.place_under(units[0], sibling=True)
+    return units, [[params[i] for i in g] for g in groups]
+
+
+def _install(modules, units, originals, locations, names, o: Options) -> None:
+    """The units take their modules' places: pieces in, originals marked, hooks on."""
+    for p in o.ignored_params or ():
         registry.mark_ignored(p)
     for u, replaced in zip(units, originals):
         attach.replace(replaced, u, names)
@@ -236,29 +295,31 @@ def shard(
     for u in units:
         if u.materialized:  # stages 1/2: every rank starts from the same full parameters
             u.shard_changed(phase="init")
-    return module
 
 
-def _shard_by_policy(model, stage, mesh, policy, strategy, kwargs):
+def _shard_by_policy(model, o: Options):
     """FSDP1's one call: units where the policy says, bottom-up, then the root."""
     if isinstance(model, (list, tuple)):
         raise TypeError("auto_wrap_policy and sharding_strategy take one model, not a list")
-    if strategy is not None:
+    stage, mesh = o.stage, o.mesh
+    if o.sharding_strategy is not None:
         device = next(iter(model.parameters()), None)
         device_type = device.device.type if device is not None else "cpu"
-        stage, mesh = wrap.stage_and_mesh(strategy, stage, mesh, dist.get_world_size(
-            kwargs["group"]), device_type)
+        stage, mesh = wrap.stage_and_mesh(o.sharding_strategy, stage, mesh,
+                                          CommContext(o.backend).world_size(o.group),
+                                          device_type)
     stage = 3 if stage is None else stage
-    if kwargs["reshard_after_forward"] is not None and stage != 3:
-        kwargs["reshard_after_forward"] = None  # (the strategy decides: ZeRO-2 keeps them)
+    policy = o.auto_wrap_policy
+    o = o.but(stage=stage, mesh=mesh, auto_wrap_policy=None, sharding_strategy=None,
+              # (the strategy decides: ZeRO-2 keeps them)
+              reshard_after_forward=o.reshard_after_forward if stage == 3 else None)
     if policy is not None:
-        chosen = wrap.units_by_policy(model, policy, kwargs["ignored_params"])
-        for module in chosen:
+        for module in wrap.units_by_policy(model, policy, o.ignored_params):
             # A tied parameter belongs to the lowest unit holding all its users (FSDP1 would
             # put it in the first unit wrapping one of them): leave it to a unit above.
-            shard(module, stage=stage, mesh=mesh, _leave=wrap.shared_outside(model, module),
-                  **kwargs)
-    return shard(model, stage=stage, mesh=mesh, **kwargs)
+            _shard([module], o, wrap.shared_outside(model, module))
+    _shard([model], o, frozenset())
+    return model
 
 
 def _groups(group, mesh, ctx):
@@ -274,133 +335,29 @@ def _groups(group, mesh, ctx):
     shard, replicate = mesh.get_group(1), mesh.get_group(0)
     ctx.name_group(shard, "intra-node")  # HSDP shards within a node, replicates across
     ctx.name_group(replicate, "inter-node")
-    return shard, replicate, _mesh_group(mesh)
+    return shard, replicate, _mesh_group(mesh, ctx)
 
 
-def _mesh_info(group, replicate_group, secondary_group, all_group, mesh, ctx, dtensors_on):
+def _mesh_info(group, replicate_group, all_group, o: Options, ctx, dtensors_on):
     """Who the unit talks to: its group, HSDP's replicas, hpZ's node (``zero/core/config.py``).
     DTensor parameters (layout "rows") are placed on the user's mesh, or on a 1-D one over
     the group, made here once for the unit (``dtensors_on``: the shards' device, else False)."""
-    placement = mesh
-    if mesh is None:
-        placement = DeviceMesh.from_group(group or dist.group.WORLD, dtensors_on.type) \
+    placement = o.mesh
+    if o.mesh is None:  # (making a mesh moves no data: torch's own, notes/15)
+        placement = DeviceMesh.from_group(group or ctx.backend.world(), dtensors_on.type) \
             if dtensors_on else group
-    post_forward = None if secondary_group is None else MeshInfo.over(secondary_group,
-                                                                      context=ctx)
+    post_forward = None if o.secondary_group is None else MeshInfo.over(ctx, o.secondary_group)
     if replicate_group is None:
-        return MeshInfo.over(group, all_group, placement, post_forward, ctx)
-    return HSDPMeshInfo.over(group, all_group, placement, post_forward, ctx,
+        return MeshInfo.over(ctx, group, all_group, placement, post_forward)
+    return HSDPMeshInfo.over(ctx, group, all_group, placement, post_forward,
+                             replicas=ctx.world_size(replicate_group),
                              replicate_group=replicate_group)
 
 
-def _mesh_group(mesh):
+def _mesh_group(mesh, ctx):
     """The group of all of a mesh's ranks (the world, when the mesh spans it)."""
-    if mesh.size() == dist.get_world_size():
+    if mesh.size() == ctx.world_size():
         return None
-    if not hasattr(mesh, "_zero_all_group"):
+    if not hasattr(mesh, "_zero_all_group"):  # (making a group moves no data: notes/15)
         mesh._zero_all_group = dist.new_group(sorted(mesh.mesh.flatten().tolist()))
     return mesh._zero_all_group
-
-
-def _check(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forward, ignored):
-    """The local checks; returns the unit's parameters, their uses, and the units below."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be 1, 2 or 3 (ZeRO's three stages), got {stage!r}")
-    if reshard_after_forward is not None and stage != 3:
-        raise ValueError("reshard_after_forward only applies to stage 3; leave it None")
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
-        raise TypeError("mp_policy must be a zero.MixedPrecision or torch's "
-                        "MixedPrecisionPolicy")
-    for module in modules:
-        if registry.unit_on(module) is not None:
-            raise RuntimeError(
-                f"{type(module).__name__} is already sharded; call zero.shard once per module")
-
-    children = list({u: None for top in modules for m in top.modules() for u in units_on(m)})
-    for child in children:
-        if child.stage.number != stage:
-            raise ValueError(
-                f"{child.name} is a stage-{child.stage.number} unit but this call asks for "
-                f"stage {stage}; use one stage for all units of a model")
-    params, locations = _own_parameters(modules, children, ignored)
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        names = {str(d): [n for n, p in _names(modules, params) if p.dtype == d] for d in dtypes}
-        raise ValueError(
-            f"one unit needs one dtype, but {type(modules[0]).__name__}'s parameters have "
-            f"{names}; cast the module (module.to(dtype)) or shard the differing sub-modules "
-            "as their own units first")
-    return params, locations, children
-
-
-def _device(module: nn.Module, group, device) -> torch.device:
-    found = next(iter([*module.parameters(), *module.buffers()]), None)
-    if found is not None and found.device.type != "meta":
-        if device is not None and torch.device(device) != found.device:
-            raise ValueError(f"device={device} but the module is on {found.device}; move the "
-                             "module first, or build it on the meta device")
-        return found.device
-    return torch.device(device) if device is not None else comm.default_device(group)
-
-
-def _own_parameters(modules: list[nn.Module], children: list[Unit], ignored: set[int]):
-    """The parameters this unit takes (not owned below, not ignored), each with every place
-    it is used."""
-    inside = {u: {id(m) for top in u.modules for m in top.modules()} for u in children}
-    found: dict[int, tuple[nn.Parameter, list]] = {}
-    for top in modules:
-        for mod_name, mod in top.named_modules():
-            for attr, p in mod._parameters.items():
-                if p is None or id(p) in ignored or registry.is_ignored(p):
-                    continue
-                owner = registry.unit_of(p)
-                if registry.replaced_by(p) is not None:  # tied to a unit's original
-                    raise _shared_error(f"{mod_name}.{attr}", registry.replaced_by(p))
-                if owner is None:
-                    found.setdefault(id(p), (p, []))[1].append((mod, attr))
-                elif owner not in inside:
-                    raise RuntimeError(
-                        f"'{mod_name}.{attr}' already belongs to a unit above "
-                        f"{type(top).__name__}: zero.shard was called on a parent before this "
-                        "child. Shard bottom-up: children first, then their parents")
-                elif id(mod) not in inside[owner]:
-                    raise _shared_error(f"{mod_name}.{attr}", owner)
-    params = [p for p, _ in found.values()]
-    return params, [locs for _, locs in found.values()]
-
-
-def _shared_error(name: str, owner: Unit) -> ValueError:
-    return ValueError(
-        f"parameter '{name}' is shared with the unit {owner.name}, which "
-        "does not contain this use of it. A shared (tied) parameter must live in one unit: "
-        "do not shard a module holding only some of its users; shard a common parent instead")
-
-
-def _names(modules: list[nn.Module], params):
-    ids = {id(p) for p in params}
-    prefix = len(modules) > 1  # "0.weight", "1.weight": which module of the list
-    return [(f"{i}.{n}" if prefix else n, p) for i, m in enumerate(modules)
-            for n, p in m.named_parameters() if id(p) in ids]
-
-
-# ---- model-level helpers -----------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module):
-    """Accumulate gradients over micro-batches without communication (like DDP's ``no_sync``).
-
-    Inside, backward leaves each unit's full flat gradient in place (full-size, as in DDP);
-    the first backward outside reduces everything accumulated. As with DDP,
-    ``optimizer.zero_grad()`` (or ``model.zero_grad()``) in between discards what was
-    accumulated.
-    """
-    units = units_of(model)
-    before = [u.controls.requires_grad_sync for u in units]
-    for u in units:
-        u.controls.requires_grad_sync = False
-    try:
-        yield
-    finally:
-        for u, b in zip(units, before):
-            u.controls.requires_grad_sync = b
