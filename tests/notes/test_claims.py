@@ -10,6 +10,7 @@ what a page says about the code's structure or its printed output:
 - every word of the path's glossary is used on the path, and the words it does not use wait
   in a section after it (a link to a word lands on the section that defines it); the glossary
   holds exercise 5's tools, not its answers;
+- the predict-then-check questions come before every page whose output answers them;
 - each sentence in ``CLAIMS`` is on its page, and the committed trace it describes (which
   tests/zerolab/test_trace.py holds to a fresh run, but for its times) says the same; the
   sentences that earlier editions got wrong are refuted by the same checks.
@@ -31,18 +32,8 @@ import sys
 
 import pytest
 
-
-
-def read(rel: str) -> str:
-    return open(os.path.join(ROOT, rel)).read()
-
-
-def readme_part() -> str:
-    return read("README.md").split("## Quick start")[0]
-
-
-def minimal_part() -> str:
-    return read("zero/minimal.py")
+sys.path.insert(0, os.path.dirname(__file__))
+from test_learner_path import minimal_part, read, readme_part, road_split  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIGURES = os.path.join(ROOT, "notes", "figures")
@@ -346,6 +337,36 @@ def test_the_glossary_quotes_trace_rows_the_trace_prints():
     assert len(rows) >= 2 and all(flat(r) in trace for r in rows), rows
 
 
+# ---- the predictions come before their answers -----------------------------------------------
+
+def answers() -> list[str]:
+    """The numbers the predict-then-check answers give (the bold of each answer)."""
+    text = read("notes/exercises/solutions/predict.md")
+    bold = " ".join(re.findall(r"^\d\. \*\*(.+?)\*\*", text, re.M | re.S))
+    return sorted(set(re.findall(r"\d+\.\d+|\d{4,}", bold)))
+
+
+def test_the_predictions_come_before_the_pages_that_answer_them():
+    """On the path, the five questions come before any page or figure that prints their
+    answers: the path up to chapter 5's questions quotes none of the answers, and chapter 5
+    links to the traces and their animation only after them (issue 43: a newcomer who met
+    the questions after chapter 5's trace scored 5/5 with two real predictions)."""
+    found = answers()
+    assert {"2.874", "90816", "116224", "65408", "123520"} <= set(found), found
+    ch5 = read("notes/05-stage3.md")
+    questions = ch5.index("## Predict, then check\n")
+    assert questions < ch5.index("## The step, traced\n")
+    before = "\n".join([readme_part(), read("notes/00-start-here.md"), read("notes/road/README.md"),
+                        read("notes/exercises/README.md"), read("notes/exercises/5_write_stage3.py"),
+                        minimal_part(), ch5[:questions]])
+    assert not [a for a in found if a in before], [a for a in found if a in before]
+    assert not re.search(r"trace_stage\d|who_holds_what", ch5[:questions])
+    start = flat(read("notes/00-start-here.md"))
+    path = start[start.index("## The path"): start.index("**Optional")]
+    assert "Answer its five questions on paper before you read the traced step" in path
+    assert "(../05-stage3.md#predict-then-check)" in read("notes/exercises/README.md")
+
+
 # ---- claims a committed trace confirms or refutes ---------------------------------------------
 
 ROW = re.compile(r"^ *(\d+\.\d\d)  (.{8})  (.*?) +(\d+) +(\d+)  (\S.*)$")
@@ -501,6 +522,49 @@ def test_a_claim_is_on_its_page_and_its_trace_confirms_it(page, says, check):
 def test_a_claim_an_earlier_edition_made_is_refuted_and_gone(says, check):
     assert not check(), f"the trace now confirms {says!r}: this check cannot tell"
     assert not [p for p in pages() if says in flat(open(p).read())]
+
+
+# ---- zero/minimal.py: what the path reads of it ----------------------------------------------
+
+def functions(path: str) -> dict[str, ast.AST]:
+    """{Class.method or function: its node} of a file."""
+    tree, out = ast.parse(read(path)), {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for sub in node.body:
+                if isinstance(sub, ast.FunctionDef):
+                    out[f"{node.name}.{sub.name}"] = sub
+        elif isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+    return out
+
+
+def body(node: ast.AST, rename: dict[str, str] | None = None) -> str:
+    """A function's statements as ``ast.dump`` (comments and the docstring dropped)."""
+    stmts = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    text = "\n".join(ast.unparse(s) for s in stmts)
+    for old, new in (rename or {}).items():
+        text = re.sub(rf"\b{re.escape(old)}\b", new, text)
+    return ast.dump(ast.parse(text))
+
+
+def test_minimal_py_s_gather_and_unit_are_road_step_4s():
+    """The start page reads only zero/minimal.py's docstring, stages and ``shard``, because
+    ``Gather`` and ``Unit`` are road step 4's, with the stage's two decisions made calls:
+    after the forward (step 4's ``post_forward`` is ``Stage3.after_forward``) and when the
+    gradient is complete (step 4's ``Gather.backward`` is ``Stage3.gradient_ready``)."""
+    mine, road = functions("zero/minimal.py"), functions("notes/road/4_zero3.py")
+    for name in ("Gather.forward", "Unit.pre_forward", "Unit.gather", "Unit.free"):
+        assert body(mine[name]) == body(road[name]), name
+    assert body(mine["Unit.reduce_scatter"]) == body(road["Unit.reduce"])
+    assert body(mine["Stage3.after_forward"]) == body(road["Unit.post_forward"], {"self": "unit"})
+    assert body(road["Gather.backward"]) == body(ast.parse(
+        "def f(ctx, full_grad):\n ctx.unit.reduce(full_grad)\n ctx.unit.free()\n return None, None").body[0])
+    assert body(mine["Stage3.gradient_ready"]) == body(ast.parse(
+        "def f(self, unit, full_grad):\n super().gradient_ready(unit, full_grad)\n unit.free()").body[0])
+    start = flat(read("notes/00-start-here.md"))
+    assert "Read its docstring, the classes `Stage1` to `Stage3` and `shard`; `Gather` and `Unit` are road step 4's" in start
+    assert road_split()  # (the road's page splits where the clock says)
 
 
 # ---- the path's commands ----------------------------------------------------------------------
