@@ -19,7 +19,8 @@ Questions to answer on the way (the start page's glossary has the tools, not the
 
 Keep the bits (the check compares every parameter with DDP's after every step), keep no full
 parameters after the step, and let no more than the root and one block hold full parameters
-as that block computes.
+as that block computes (the root computes through the whole forward: exercise 5 in
+notes/exercises/README.md says why).
 """
 
 import torch

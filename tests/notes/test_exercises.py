@@ -83,6 +83,20 @@ WRONG = {
          "something read a tensor whose storage was freed (0 bytes) before it was filled again")],
 }
 
+# Right answers other than the solution, as edits of it: (old, new, where a page says so).
+# Exercise 5's question 3 asks what can run code when backward reaches a unit: a module
+# backward pre-hook runs at the moment the solution's tensor hook on the output does.
+ACCEPTED = {
+    5: [("        output.register_hook(lambda grad: self.gather(\"backward\"))  # before the unit's backward\n",
+         "",
+         "        module.register_forward_hook(self.post_forward)\n",
+         "        module.register_forward_hook(self.post_forward)\n"
+         "        module.register_full_backward_pre_hook(lambda m, grad: self.gather(\"backward\"))\n",
+         "If your exercise 5 gathered in a module backward pre-hook "
+         "(`module.register_full_backward_pre_hook`) instead of a hook on the output tensor, it is "
+         "right too, and the check accepts it")],
+}
+
 
 NUMBERS = [1, 2, 3, 4, 5]
 
@@ -103,6 +117,11 @@ def verdicts(tmp_path_factory):
             attempt = tmp / f"{number}_wrong_{k}.py"
             attempt.write_text(text.replace(old, new))
             paths[f"{number} wrong {k}"] = (number, str(attempt))
+        for k, (old1, new1, old2, new2, _) in enumerate(ACCEPTED.get(number, [])):
+            assert text.count(old1) == 1 and text.count(old2) == 1, (number, old1, old2)
+            attempt = tmp / f"{number}_accepted_{k}.py"
+            attempt.write_text(text.replace(old1, new1).replace(old2, new2))
+            paths[f"{number} accepted {k}"] = (number, str(attempt))
     with pytest.MonkeyPatch.context() as env:  # as a learner runs the check: without check
         env.setenv("ZERO_CHECK", "0")  # mode, whose agreements would double the collectives
         return check.verdicts(paths)  # one group of ranks for all of them
@@ -132,6 +151,17 @@ def test_the_check_says_what_a_wrong_attempt_got_wrong(verdicts, number):
     for k, (_, _, said) in enumerate(WRONG[number]):
         wrong = verdicts[f"{number} wrong {k}"]
         assert any(said in w for w in wrong), (k, wrong)
+
+
+@pytest.mark.parametrize("number", sorted(ACCEPTED))
+def test_the_check_passes_another_right_answer_and_a_page_says_so(verdicts, number):
+    """A right answer the solution does not give passes too, and the page a learner reads
+    after the exercise (the road's folded steps 4 and 5) says that it does, and why the
+    solution is written the other way."""
+    road = " ".join(open(os.path.join(HERE, "..", "road", "README.md")).read().split())
+    for k, (*_, said) in enumerate(ACCEPTED[number]):
+        assert verdicts[f"{number} accepted {k}"] == []
+        assert said in road[road.index("<details>"):], said
 
 
 @pytest.mark.parametrize("number", NUMBERS)

@@ -252,10 +252,11 @@ def test_a_term_is_defined_or_linked_where_a_learner_first_meets_it():
 
 # ---- the reading time of the path to the goal ---------------------------------------------
 # Rates: prose 200 words a minute, tables 100, code and program output 50; a road step's run
-# (8 s) and its printout (about 150 words) RUN minutes; the exercise's work EXERCISE minutes.
+# (a few seconds) and its printout (about 160 words) RUN minutes; the exercise's work EXERCISE
+# minutes; answering chapter 5's five questions on paper PREDICT minutes.
 
 RATES = {"prose": 200, "table": 100, "code": 50}
-RUN, EXERCISE = 3, 30
+RUN, EXERCISE, PREDICT = 3, 30, 5
 
 
 def word_kinds(text: str, code: bool = False) -> dict[str, int]:
@@ -296,6 +297,27 @@ def road_split() -> tuple[str, str]:
     return text[:at], text[at:]
 
 
+def readme_part() -> str:
+    """What a newcomer reads of the README before the path's first page: up to its Quick start."""
+    return read("README.md").split("## Quick start")[0]
+
+
+MINIMAL_READ = ("Stage1", "Stage2", "Stage3", "shard")  # with the docstring: the path's part
+
+
+def minimal_part() -> str:
+    """What the path reads of zero/minimal.py: its docstring, the three stages and ``shard``
+    (``Gather`` and ``Unit`` are road step 4's: test_claims.py holds that)."""
+    import ast
+
+    text = read("zero/minimal.py")
+    tree = ast.parse(text)
+    parts = [ast.get_source_segment(text, tree.body[0])]
+    parts += [ast.get_source_segment(text, n) for n in tree.body
+              if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in MINIMAL_READ]
+    return "\n".join(parts)
+
+
 def path_steps() -> list[tuple[str, dict[str, int], int]]:
     """(step, words by kind, minutes of running and doing) along the path to the goal."""
     start = read("notes/00-start-here.md").split("## From the road's names")[0]
@@ -309,6 +331,7 @@ def path_steps() -> list[tuple[str, dict[str, int], int]]:
 
     r = "notes/road/"
     return [
+        ("the README's part", word_kinds(readme_part()), 0),
         ("this page", word_kinds(start), 0),
         ("the road, steps 1-3", add(word_kinds(road_a), word_kinds(read(r + "1_ddp.py"), True),
                                     word_kinds(changed(r + "1_ddp.py", r + "2_zero1.py"), True),
@@ -319,8 +342,9 @@ def path_steps() -> list[tuple[str, dict[str, int], int]]:
                                     word_kinds(changed(r + "3_zero2.py", r + "4_zero3.py"), True),
                                     word_kinds(changed(r + "4_zero3.py", r + "5_prefetch.py"), True)),
          2 * RUN),
-        ("zero/minimal.py", word_kinds(read("zero/minimal.py"), True), 0),
-        ("chapter 5's core", word_kinds(core("notes/05-stage3.md")), 0),
+        ("zero/minimal.py", word_kinds(minimal_part(), True), 0),
+        ("chapter 5's core", add(word_kinds(core("notes/05-stage3.md")),
+                                 word_kinds(read("notes/exercises/solutions/predict.md"))), PREDICT),
     ]
 
 
@@ -340,12 +364,13 @@ def test_the_start_page_states_the_paths_minutes_from_its_words():
     assert len(said) == len(counted), (said, counted)
     for s, (name, m) in zip(said, counted):
         assert abs(s - m) <= max(2, 0.15 * m), (name, s, round(m, 1))
-    total = int(re.search(r"about 2 hours\*\* \((\d+) minutes\)", path).group(1))
+    total = int(re.search(r"about 2 hours\*\* \((\d+) minutes, the README's part included\)",
+                          path).group(1))
     assert abs(total - sum(m for _, m in counted)) <= 3 and total <= 135
     intro = int(re.search(r"About (\d+) minutes\.", page).group(1))
-    assert intro == said[0]
-    readme = " ".join(read("README.md").split())
-    assert f"about 2 hours ({total} minutes)" in readme
+    assert intro == said[1]  # this page's own step
+    readme = " ".join(readme_part().split())
+    assert f"about 2 hours ({total} minutes, these two paragraphs included)" in readme
 
 
 def test_exercise_5_comes_between_road_steps_3_and_4():
@@ -366,14 +391,14 @@ if __name__ == "__main__":
 
 
 def test_the_predict_questions_state_their_premises_and_instants():
-    """The predict-then-check questions come after chapter 5, state the package's choices they
-    depend on, name each instant by a row the trace prints, and the answers explain wrong ones."""
-    text = " ".join(read("notes/exercises/README.md").split())
-    part = text[text.index("## Predict, then check"):]
+    """The predict-then-check questions come in chapter 5 before its trace (test_claims.py:
+    before every page that answers them), state the package's choices they depend on, name
+    each instant by a row the trace prints, and the answers explain wrong ones."""
+    text = " ".join(read("notes/05-stage3.md").split())
+    part = text[text.index("## Predict, then check"): text.index("## The step, traced")]
     for premise in ("A warm-up step runs first", "prefetch order learned in the previous iteration",
                     "The root keeps its parameters", "in place", "as the next unit's backward begins"):
         assert premise in part, premise
-    assert "after [chapter 5](../05-stage3.md)'s core" in part
     questions = re.split(r" (?=\d\. )", part[part.index("The questions"):])[1:]
     assert len(questions) == 5
     traces = {k: read(f"notes/figures/trace_stage{k}.txt") for k in (1, 2, 3)}
@@ -426,14 +451,12 @@ def optional_minutes() -> dict[str, float]:
         w = word_kinds(text, code)
         return sum(w[k] / RATES[k] for k in RATES)
 
-    predict = read("notes/exercises/README.md")
-    predict = predict[predict.index("## Predict"):]
     out = {"1": minutes(read("notes/01-flat-parameter.md")),
            "2": minutes(read("notes/02-collectives-and-the-ledger.md")),
            "3": minutes(core("notes/03-stage1.md")), "4": minutes(core("notes/04-stage2.md")),
            "6": minutes(read("notes/06-comparison.md")),
-           "predict": minutes(predict) + minutes(read("notes/exercises/solutions/predict.md"))
-           + sum(minutes(read(f"notes/figures/trace_stage{k}.txt"), True) for k in (1, 2)) + RUN}
+           "traces": sum(minutes(read(f"notes/figures/trace_stage{k}.txt"), True) + RUN
+                         for k in (1, 2))}
     out["second"] = sum(minutes(read(f"notes/0{k}")) - minutes(core(f"notes/0{k}"))
                         for k in ("3-stage1.md", "4-stage2.md", "5-stage3.md"))
     return out
@@ -444,7 +467,7 @@ def test_the_start_page_states_the_optional_minutes_from_its_words():
     part = page[page.index("**Optional: the package in detail**"):page.index("**The appendix**")]
     said = re.findall(r"\]\([\w./#-]+\)[^()\[\]]*? \((\d+)", part)
     counted = optional_minutes()
-    steps = [counted[k] for k in ("1", "2", "3", "4", "6", "predict")]
+    steps = [counted[k] for k in ("1", "2", "3", "4", "6", "traces")]
     assert len(said) == len(steps)
     for s, m in zip(said, steps):
         assert abs(int(s) - m) <= max(2, 0.15 * m), (said, [round(x) for x in steps])

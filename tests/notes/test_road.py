@@ -147,3 +147,46 @@ def test_a_step_runs_as_a_script(capsys, monkeypatch):
     assert done.value.code == 0, out
     assert "bitwise equal to torch DDP's after every step: yes" in out
     assert "during backward, at most: parameters 6.00, gradients 2.80" in out
+
+
+def printed(report: str) -> dict[str, float]:
+    """The memory figures a step prints, in bytes per parameter."""
+    nums = lambda pattern: [float(x) for x in re.search(pattern, report).groups()]  # noqa: E731
+    params, grads = nums(r"during backward, at most: parameters ([\d.]+), gradients ([\d.]+)")
+    after, optimizer = nums(r"after backward: gradients ([\d.]+); after the step: optimizer state ([\d.]+)")
+    return dict(params=params, grads=grads, after=after, optimizer=optimizer)
+
+
+def test_the_road_page_quotes_what_the_steps_print(reports):
+    """Every figure of the road page's memory table is the one its step prints; every other
+    two-decimal figure on the page is printed by some step or is a unit's size the page says
+    it is (the units' shares of Ψ, one block's full gradient, the four blocks' shards)."""
+    readme = open(os.path.join(ROAD, "README.md")).read()
+    shown = {step: printed(common.report(step, reports[0][step])) for step in STEPS}
+    rows = re.findall(r"^\| (\d) [\w-]+ \| (.+) \|$", readme, re.M)
+    assert [int(k) for k, _ in rows] == [1, 2, 3, 4, 5]
+    for k, cells in rows:
+        said = [float(re.match(r"([\d.]+)", c.strip()).group(1)) for c in cells.split(" | ")]
+        step = STEPS[int(k) - 1]
+        assert said == [shown[step][c] for c in ("params", "grads", "after", "optimizer")], step
+    r = reports[0]["1_ddp"]
+    block, root = (FlatLayout([p.shape for p in m.parameters()], 2).padded_numel
+                   for m in (GPT(GPTConfig(layers=1)).blocks[0], GPT(GPTConfig(layers=0))))
+    psi = r["psi"]
+    sizes = {f"{block / psi:.3f}", f"{root / psi:.3f}", f"{4 * block / psi:.2f}",
+             f"{common.BLOCKS * 4 * block / 2 / psi:.2f}"}  # shares; a full gradient; 4 shards
+    prints = {f"{v:.2f}" for s in shown.values() for v in s.values()}
+    figures = set(re.findall(r"(?<![\d.])\d\.\d{2,3}(?![\d])", readme))
+    assert figures - prints - sizes == set(), figures - prints - sizes
+    assert sizes <= figures  # (the page gives each size it uses)
+
+
+def test_the_road_says_it_trains_in_fp32_and_what_a_parameter_costs(reports):
+    """The start page teaches bf16 with Adam (2 + 2 + 12 bytes); the road, before its first
+    memory figure, says it trains in fp32 and what a parameter costs there, as DDP prints it."""
+    readme = " ".join(open(os.path.join(ROAD, "README.md")).read().split())
+    said = readme.index("The road trains in fp32")
+    assert said < readme.index("| step | parameters, peak in backward")
+    assert "4 + 4 + 8 = 16 bytes in DDP where bf16 with Adam took 2 + 2 + 12" in readme
+    ddp = printed(common.report("1_ddp", reports[0]["1_ddp"]))
+    assert (ddp["params"], ddp["after"], ddp["optimizer"]) == (4.0, 4.0, 8.0)

@@ -3,6 +3,11 @@
 Road step 4, which this is: ``post_forward`` frees the unit and hooks its output so that
 backward gathers it again first; ``gather`` refills the emptied storage through ``.data``;
 ``Gather.backward`` frees the unit once its gradient is reduced.
+
+A module backward pre-hook (``module.register_full_backward_pre_hook``) in place of the hook on
+the output is right too, and the check accepts it: it runs at the same moment, once the
+gradient with respect to the module's output is complete. notes/road/README.md says why the
+road and FSDP2 hook the output tensor instead.
 """
 
 import torch
