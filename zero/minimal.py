@@ -55,8 +55,8 @@ class Gather(torch.autograd.Function):
 class Unit:
     """Some modules' parameters as one flat parameter, of which this rank keeps a slice."""
 
-    def __init__(self, name: str, module: nn.Module, modules: list, stage, units: list, ctx):
-        self.name, self.stage, self.units, self.ctx = name, stage, units, ctx  # ctx: the comm
+    def __init__(self, name: str, module: nn.Module, modules: list, stage, units: list):
+        self.name, self.stage, self.units = name, stage, units
         self.uses, params = [], {}  # (module, attribute, index): a tied parameter has two uses
         for mod in modules:
             for attr, p in list(mod._parameters.items()):
@@ -83,7 +83,7 @@ class Unit:
             self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         # (S,) on every rank -> (N*S,) on every rank, rank r's shard at [r*S, (r+1)*S).
         # Into .data: autograd refuses saved views after a write it sees; this one restores them
-        self.ctx.all_gather(self.full.data, self.shard.detach(), unit=self.name, phase=phase)
+        comm.all_gather(self.full.data, self.shard.detach(), unit=self.name, phase=phase)
 
     def free(self) -> None:
         """Give back the full parameters' bytes; views of them (saved by autograd) stay valid."""
@@ -92,7 +92,7 @@ class Unit:
     def reduce_scatter(self, full_grad: torch.Tensor) -> None:
         self.shard.grad = torch.empty_like(self.shard)
         # (N*S,) on every rank -> (S,): this rank's slice of the mean over ranks
-        self.ctx.reduce_scatter(self.shard.grad, full_grad, unit=self.name, phase="backward")  # avg
+        comm.reduce_scatter(self.shard.grad, full_grad, op="avg", unit=self.name, phase="backward")
 
 
 class Stage1:
@@ -142,9 +142,9 @@ def shard(model: nn.Module, blocks, stage: int) -> list[Unit]:
     rule = {1: Stage1, 2: Stage2, 3: Stage3}[stage]()
     names = {m: n for n, m in model.named_modules()}
     in_blocks = {m for block in blocks for m in block.modules()}
-    units, ctx = [], comm.CommContext()  # ctx: every collective goes through it, to the ledger
+    units: list[Unit] = []
     for block in blocks:
-        units.append(Unit(names[block], block, list(block.modules()), rule, units, ctx))
+        units.append(Unit(names[block], block, list(block.modules()), rule, units))
     rest = [m for m in model.modules() if m not in in_blocks]
-    units.append(Unit("root", model, rest, rule, units, ctx))
+    units.append(Unit("root", model, rest, rule, units))
     return units

@@ -180,7 +180,7 @@ def test_every_name_a_page_gives_exists():
 
 def test_the_name_rule_catches_a_name_that_is_not_there():
     classes = project_classes()
-    assert missing_names("`Unit.unshard`, `Unit._free`, `zero.shard`, `Schedule.forward_started`",
+    assert missing_names("`Unit.unshard`, `Unit._free`, `zero.shard`, `Schedule.forward_prefetch`",
                          classes) == []
     assert missing_names("`Unit.unshard_all`, `zero.shardd`, `zero.core.nothing`", classes) == [
         "Unit.unshard_all", "zero.shardd", "zero.core.nothing"]
