@@ -29,7 +29,6 @@ import tempfile
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
@@ -184,7 +183,7 @@ def _model_state(model: nn.Module, units) -> dict:
     """FSDP2's model state dict: a Shard(0) DTensor per parameter, buffers as they are."""
     chunks = {}
     for unit in units:
-        mesh = mesh_of(unit.mesh.group, unit.sharded.device)
+        mesh = mesh_of(unit)
         for i, t in enumerate(flat_to_chunks(unit, unit.sharded)):
             chunks[unit, i] = to_dtensor(t, unit.layout.shapes[i], mesh)
     return {name: chunks[registry.unit_of(t), registry.index_of(t)] if registry.is_piece(t)
@@ -221,7 +220,7 @@ def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}
     for unit in units:
-        mesh = mesh_of(unit.mesh.group, unit.sharded.device)
+        mesh = mesh_of(unit)
         for key, holders in _elementwise(unit, optimizer).items():
             shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
             for i in holders:
@@ -260,7 +259,7 @@ def first_names(model: nn.Module) -> dict[nn.Parameter, str]:
 def _on_rank0(ctx, what: str, fn: Callable, *args):
     """Run ``fn`` on rank 0; every rank returns its result or raises its error (never hangs)."""
     outcome = None
-    if dist.get_rank() == 0:
+    if ctx.rank() == 0:
         try:
             outcome = (True, fn(*args))
         except Exception as e:  # noqa: BLE001 (reported on every rank below)

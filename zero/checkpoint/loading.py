@@ -222,7 +222,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
     parameters, or one state key of them): DCP reads this rank's FSDP2 chunk of each, into a
     buffer of that size, by itself (every record is verified: no collective to plan it), then
     one all-gather of the unit turns the chunks into our shard."""
-    mesh = mesh_of(unit.mesh.group, unit.sharded.device)
+    mesh = mesh_of(unit)
     template: dict = {}
     chunks: list = []
     for p, shape in zip(unit.params, unit.layout.shapes):
