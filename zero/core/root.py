@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from zero import comm
-from zero.core import registry
+from zero.core import registry, running_stats
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
 from zero.core.state import TrainingState
@@ -61,6 +61,7 @@ class Root:
             for unit, names in paths.items():  # a unit of several modules: "tok_emb+head"
                 unit.rename("+".join(names) + (" (frozen)" if unit.sibling_of else ""))
                 self._units.append(unit)
+            running_stats.warn_if_they_drift(self.unit)  # once: BatchNorm's buffers drift
         return self._units
 
     @property
