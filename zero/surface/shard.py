@@ -187,8 +187,9 @@ def shard(
     # Every policy by its parameters, not its class (qwZ's block size decides how each rank
     # reads the others' bytes); a per-rank path (DiskOffload's directory) is left out.
     desc += [("policy", field, value) for field, value in (
-        ("layout", layout.name), ("comm_policy", repr(comm_policy)),
-        ("offload_policy", repr(offload_policy)), ("backend", repr(ctx.backend)),
+        ("layout", layout.name), ("comm_policy", same_model.describe(comm_policy)),
+        ("offload_policy", same_model.describe(offload_policy)),
+        ("backend", same_model.describe(ctx.backend)),
         ("prefetch", prefetch), ("mesh", None if mesh is None else tuple(mesh.shape)),
         ("secondary_group", None if secondary_group is None else
          ctx.backend.world_size(secondary_group)))]
