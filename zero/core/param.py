@@ -45,6 +45,14 @@ class ShardedParam:
     def use_sharded(self) -> None:
         self.use(self.sharded)
 
+    def take_slots(self, other: "ShardedParam", slots: list) -> None:
+        """``slots`` of ``other`` now hold this parameter (a tie made after sharding): they
+        become this parameter's, as a tie made before sharding is one parameter in several
+        places (``zero/core/adoption.py``). ``other`` keeps the rest of its slots, if any;
+        with none left, its piece of the shard is unused."""
+        other.locations = [loc for loc in other.locations if loc not in slots]
+        self.locations = self.locations + [loc for loc in slots if loc not in self.locations]
+
     def adopt(self, new: torch.Tensor, piece: torch.Tensor, exposed: torch.Tensor,
               unit: str) -> nn.Parameter:
         """``new`` replaced this parameter in the module: take its values into ``piece`` (this

@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from zero import comm
-from zero.core import registry, running_stats
+from zero.core import adoption, registry, running_stats
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
 from zero.core.state import TrainingState
@@ -91,7 +91,8 @@ class Root:
         elif stuck:  # the previous forward raised: its gradients were never computed
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
-        comm.agree(self._since_last_forward(written), group=self.unit.all_group,
+        comm.agree(self._since_last_forward(written) + adoption.pending(self.units),
+                   group=self.unit.all_group,
                    ctx=self.unit.mesh.context,
                    device=self.unit.unsharded.device,
                    fix="Every rank must run the same forward and backward passes, under the same "

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from zero import comm
-from zero.core import same_model
+from zero.core import adoption, same_model
 from zero.core.guards import state_dict_access
 from zero.core.registry import is_piece, units_of
 
@@ -27,9 +27,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
-    comm.agree("gather a full state dict", group=units[0].all_group, ctx=units[0].mesh.context,
-               fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
-                   "you need on rank 0")
+    adoption.adopt_agreed(units, "gather a full state dict",
+                          fix="Call zero.full_state_dict on every rank (it is collective), then "
+                              "keep what you need on rank 0")
     try:
         for unit in units:
             unit.use(unit.layout.views(_gathered(unit)))
@@ -69,9 +69,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     """
     units = units_of(model)
     group, ctx = units[0].mesh.all_group, units[0].mesh.context
-    comm.agree(f"load a full state dict (broadcast_from_rank0={broadcast_from_rank0})",
-               group=group, ctx=ctx, fix="Call zero.load_full_state_dict on every rank, with "
-                                         "the same broadcast_from_rank0")
+    adoption.adopt_agreed(units, f"load a full state dict (broadcast_from_rank0="
+                                 f"{broadcast_from_rank0})",
+                          fix="Call zero.load_full_state_dict on every rank, with the same "
+                              "broadcast_from_rank0")
     reads = not broadcast_from_rank0 or ctx.backend.rank(group) == 0
     fulls, result, names = {}, None, []
     try:
