@@ -72,8 +72,9 @@ def adopt_replaced(unit) -> bool:
             raise _tied_across_units(unit, slots[0], owner, new)
         elif _local(new).is_meta:
             guards.on_meta(unit, moved=not sp.sharded.is_meta)
-        elif new.dim() == 1 and new.shape != sp.shape and not isinstance(new, DTensor):
-            guards.converted(unit, new)  # our 1-D piece, converted (model.to(), .half())
+        elif (new.shape == unit.exposed_piece(unit.sharded, sp.index).shape != sp.shape
+              and (new.dtype, _local(new).device) != (unit.sharded.dtype, unit.sharded.device)):
+            guards.converted(unit, new)  # this rank's piece, converted (model.to(), .half())
         else:
             unit.wait_unshard()  # (a stage 1/2 gather may still read the shard)
             piece = unit.piece(unit.sharded, sp.index)
