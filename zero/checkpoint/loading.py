@@ -205,7 +205,8 @@ def _load_units(found, meta, units, names, entries, elementwise, with_optim: boo
     state: dict = {}
     # (names.get: a piece no module holds, a tie made after sharding, has no name, no state)
     for unit in units:
-        keys = sorted({k for p in unit.params for k in elementwise.get(names.get(p), ())}) if with_optim else []
+        keys = sorted({k for p in unit.params for k in elementwise.get(names.get(p), ())}
+                      if with_optim else ())
         shard = _read_unit(found, meta, unit, lambda p: [("model", k) for k in aliases.get(p, ())], state)
         unit.wait_unshard()  # stages 1/2: a gather of the old shard must not land after this
         unit.sharded.copy_(shard)

@@ -18,16 +18,18 @@ it put there, and takes it, or refuses it by name:
   piece of the shard is left unused, as the head's old parameter, which no module holds;
 - a parameter of another unit: refused (a tied parameter lives in one unit, the lowest that
   holds all its users; the same rule ``zero.shard`` enforces);
-- this rank's own piece converted (``model.half()``: a 1-D tensor of the piece's shape) or
-  moved to the meta device: refused, naming that (``zero/core/guards.py``).
+- this rank's own piece converted (``model.half()`` where ``_apply`` makes new parameters:
+  the piece's shape, another dtype) or moved to the meta device: refused, naming that
+  (``zero/core/guards.py``).
 
 [Note: adoption is agreed] A parameter replaced on one rank only, adopted there alone, would
 leave the ranks training different models without a word. So the ranks agree on what they
 adopt, as ``zero.shard`` agrees on what it shards: the root's forward agreement says which
-parameters were replaced since the last forward (``pending``), and the load hook that adopts
-at once (``zero/surface/attach.py``) and zero's own readers (``adopt_agreed``) agree first. A replacement between a forward and its
-backward is refused (``refuse_before_backward``): backward computes with the parameters that
-forward used, and FSDP2, like zero before, dropped the new one silently there.
+parameters were replaced since the last forward (``pending``); the load hook that adopts at
+once (``zero/surface/attach.py``) and zero's own readers (``adopt_agreed``) agree first. A
+replacement between a forward and its backward is refused (``refuse_before_backward``):
+backward computes with the parameters that forward used, and FSDP2, like zero before, drops
+the new one silently there.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from zero.core import guards, registry
 def replaced(unit) -> list[tuple]:
     """[(sharded param, [its slots that changed], what is there now)], in the unit's order."""
     out = []
-    for sp in unit.sharded_params:
+    for sp in unit.sharded_params:  # (every forward: one look per slot, nothing made)
+        if all(mod._parameters.get(attr) is sp.sharded for mod, attr in sp.locations):
+            continue
         changed: dict[int, tuple] = {}  # id(new) -> (new, [slots])
         for mod, attr in sp.locations:
             t = mod._parameters.get(attr)
