@@ -146,6 +146,8 @@ def reclaim(directory: str) -> list[str]:
         if not name.startswith(PREFIX):
             continue
         path = os.path.join(directory, name)
+        if os.path.realpath(path) in map(os.path.realpath, _LIVE):
+            continue  # this process's own (NFS emulates flock with locks a process shares)
         fd = _take_if_abandoned(path)
         if fd is None:
             continue
