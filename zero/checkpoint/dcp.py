@@ -40,7 +40,7 @@ from zero import comm
 from zero.checkpoint import reader, validate
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
-from zero.core import registry
+from zero.core import adoption, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 from zero.core.rows import local_tensor
@@ -68,9 +68,9 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: keep is how many versions stay, 1 or more")
         check_optimizer(model, optimizer)
-    comm.agree(f"save a checkpoint in {path}, keeping {keep}", group=group, ctx=ctx,
-               fix="Call zero.save on every rank, with the same path: every rank writes its "
-                   "own chunks")
+    adoption.adopt_agreed(units, f"save a checkpoint in {path}, keeping {keep}",
+                          fix="Call zero.save on every rank, with the same path: every rank "
+                              "writes its own chunks")
     state = state_dict(model, optimizer)
     lock: list[int] = []  # rank 0's hold on the directory while it saves
 

@@ -32,7 +32,7 @@ from zero.checkpoint import reader, validate, safe_pickle
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.dcp import check_optimizer, entries_of, first_names, resident
 from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
-from zero.core import registry
+from zero.core import adoption, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 
@@ -59,7 +59,10 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         ValueError: it was saved from another model (names the keys and shapes that differ),
             or the optimizer does not hold the model's parameters.
     """
-    units, names, entries = units_of(model), first_names(model), entries_of(model)
+    units = units_of(model)
+    # (before entries_of puts its tensors in the slots: a replacement not adopted is dropped)
+    adoption.adopt_agreed(units, "load a checkpoint", fix="Call zero.load on every rank")
+    names, entries = first_names(model), entries_of(model)
     with_optim = optimizer is not None
     ctx = units[0].root.context
     found, meta, elementwise = _agreed(ctx, path, _checked, path, model, optimizer, units,
@@ -200,15 +203,17 @@ def _load_units(found, meta, units, names, entries, elementwise, with_optim: boo
         if registry.is_piece(t):
             aliases.setdefault(t, []).append(k)
     state: dict = {}
+    # (names.get: a piece no module holds, a tie made after sharding, has no name, no state)
     for unit in units:
-        keys = sorted({k for p in unit.params for k in elementwise.get(names[p], ())}) if with_optim else []
+        keys = sorted({k for p in unit.params for k in elementwise.get(names.get(p), ())}
+                      if with_optim else ())
         shard = _read_unit(found, meta, unit, lambda p: [("model", k) for k in aliases.get(p, ())], state)
         unit.wait_unshard()  # stages 1/2: a gather of the old shard must not land after this
         unit.sharded.copy_(shard)
         unit.shard_changed()  # stages 1/2 re-gather their full parameters, stage 3 drops them
         del shard
         for key in keys:  # one read and one all-gather per unit and state key, like saving
-            owns = lambda p: key in elementwise.get(names[p], ())  # noqa: E731
+            owns = lambda p: key in elementwise.get(names.get(p), ())  # noqa: E731
             shard = _read_unit(found, meta, unit, lambda p: [("optim", "state", names[p], key)]
                                if owns(p) else [], state)
             for i, p in enumerate(unit.params):

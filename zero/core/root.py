@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from zero import comm
-from zero.core import registry
+from zero.core import adoption, registry, running_stats
 from zero.core.reductions import Reductions
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
@@ -149,6 +149,7 @@ class Root:
             for unit, names in paths.items():  # a unit of several modules: "tok_emb+head"
                 unit.rename("+".join(names) + (" (frozen)" if unit.sibling_of else ""))
                 self._units.append(unit)
+            running_stats.warn_if_they_drift(self.unit)  # once: BatchNorm's buffers drift
         return self._units
 
     @property
@@ -229,9 +230,9 @@ class Root:
         elif stuck:  # the previous forward raised: its gradients were never computed
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
-        comm.agree(self._since_last_forward(written), group=self.unit.mesh.all_group,
-                   ctx=self.context, device=self.unit.unsharded.device,
-                   fix="Every rank must run the same forward and backward passes, under the same "
+        comm.agree(self._since_last_forward(written) + adoption.pending(self.units),
+                   group=self.unit.mesh.all_group, ctx=self.context,
+                   device=self.unit.unsharded.device,                   fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
                        "value every rank shares (a norm from zero.clip_grad_norm_). An evaluation "

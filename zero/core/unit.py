@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from zero.comm.flat_collectives import DEFAULT as EXACT
-from zero.core import guards, registry
+from zero.core import adoption, guards, registry
 from zero.core.config import MeshInfo, UnitConfig
 from zero.core.flat import LocalShard
 from zero.core.grads import Gradient
@@ -164,25 +164,12 @@ class Unit:
 
     def adopt_replaced(self) -> None:
         """Parameters a client put in the module after sharding (``load_state_dict(sd,
-        assign=True)``: torchtune, accelerate; ``setattr``: transformers): their values go into
-        the shard, and each new parameter becomes this rank's piece (FSDP2's
-        ``reset_sharded_param``), so an optimizer built from them steps the shard. What cannot
-        be adopted raises, naming what differs."""
+        assign=True)``: torchtune, accelerate; ``setattr``: transformers; a tie, HF's
+        ``tie_weights()``): adopted as FSDP2's ``reset_sharded_param`` does, or refused by
+        name (``zero/core/adoption.py``)."""
         if self.iteration.state is not TrainingState.IDLE:
             return  # (views are in the slots while the unit computes)
-        adopted = False
-        for sp in self.sharded_params:
-            new = next((t for mod, attr in sp.locations
-                        if (t := mod._parameters.get(attr)) is not sp.sharded), None)
-            if new is None:
-                continue
-            self.wait_unshard()  # (a stage 1/2 gather may still read the shard)
-            piece = self.local.piece(self.sharded, sp.index)
-            shown = sp.adopt(new, piece, self.exposed_piece(self.sharded, sp.index), self.name)
-            registry.mark_piece(shown, self, sp.index)
-            sp.use_sharded()
-            adopted = True
-        if adopted:
+        if adoption.adopt_replaced(self):
             self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
 
     def params_on_meta(self) -> None:
