@@ -160,9 +160,12 @@ def private_torch(modules) -> dict[str, str]:
     attrs = _torch_private_attributes()
     out: dict[str, str] = {}
     for name, path, tree in modules:
-        if not name.startswith("zero"):
+        if name != "zero" and not name.startswith("zero."):
             continue
+        parts = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         for node in ast.walk(tree):
+            if id(node) in parts:
+                continue  # (a part of a longer chain: the chain is counted once)
             found = []
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
                 private_module = any(part.startswith("_") for part in node.module.split("."))
@@ -176,10 +179,8 @@ def private_torch(modules) -> dict[str, str]:
                 if isinstance(inner, ast.Name):
                     chain.append(inner.id)
                 chain.reverse()
-                if chain[0] == "torch" and any(c.startswith("_") for c in chain) and \
-                        isinstance(node.ctx, ast.Load) and node is not None:
-                    found = [".".join(chain[: next(i for i, c in enumerate(chain)
-                                                   if c.startswith("_")) + 1])]
+                if chain[0] == "torch" and any(c.startswith("_") for c in chain):
+                    found = [".".join(chain)]
                 elif node.attr in attrs and not (isinstance(node.value, ast.Name)
                                                  and node.value.id == "self"):
                     found = [f"._{node.attr[1:]}"]

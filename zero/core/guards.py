@@ -46,8 +46,9 @@ def converted_after_sharding(unit) -> None:
         if not locs:
             continue  # a piece no module uses (a tie made after sharding: zero/core/adoption.py)
         mod, attr = locs[0]
-        if p.is_meta:  # shown on meta (zero.fully_shard on meta), never given values
-            on_meta(unit, moved=False)
+        if p.is_meta and not unit.sharded.is_meta:  # shown on meta (zero.fully_shard on
+            on_meta(unit, moved=False)  # meta), never given values; (a shard an offload policy
+            # keeps on meta is the policy's: the plan's host)
         if (mod._parameters.get(attr) is not p or p.dtype != unit.sharded.dtype
                 or p.device != unit.sharded.device or _key(local_tensor(p)) != key):
             converted(unit, p)

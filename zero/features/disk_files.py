@@ -26,10 +26,12 @@ so its files are held to what a checkpoint is held to:
 - SIGTERM belongs to the program. One with its own handler (a preemption flag the loop
   checks before ``zero.save``: SLURM's time limit, spot instances, Lightning's requeue) or
   that ignores it keeps its state: zero installs a handler only where SIGTERM's action is the
-  default, death (torchrun stopping a failed job's workers), and there removes this
-  process's directories, then dies of the signal as it would have. Where it is not the
-  handler in force (the program installed one later, which calls it on), it does nothing:
-  the program decides, as it would with no handler before its own.
+  default, death (torchrun stopping a failed job's workers), or is zero's own (a second
+  store chains its handler to the first's), and there removes this process's directories,
+  then dies of the signal as it would have. Where it is not zero's handler in force (the
+  program installed one later, which calls it on), it does nothing: the program decides, as
+  it would with no handler before its own. Each store's directory is known to its own
+  handler only (a closure): nothing here is a table every store writes to.
 - Marks are read as untrusted input: the directory is shared, and a planted mark (a named
   pipe, a link to ``/dev/zero``, a number too large for a pid) must neither hang, exhaust
   memory nor raise. A mark is opened without following links or blocking, must be a regular
@@ -53,12 +55,7 @@ PREFIX = "zero-optimizer-state-"
 MARK = ".zero-optimizer-state"  # in each directory a store makes: "<pid> <host>", flock-ed
 _MARK_BYTES = 256  # "<pid> <host>\n": a Linux host name has at most 64 bytes
 _OPEN_UNTRUSTED = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-# The directories this process made and has not removed yet, with the pid that made them (a
-# forked child inherits the set, not the directories): the SIGTERM handler removes them. (A
-# signal handler is process-wide by nature; so is this table.)
-_LIVE: dict[str, int] = {}
-_HANDLER_LOCK = threading.Lock()
+_HANDLER_LOCK = threading.Lock()  # (two stores made at once install their handlers in turn)
 
 
 class StateFileError(RuntimeError):
@@ -79,8 +76,7 @@ class StateFiles:
         self.root = tempfile.mkdtemp(prefix=PREFIX, dir=directory)
         self._mark = _hold(self.root)  # the lock that says "alive" until this process dies
         self.written: dict[str, tuple[int, int]] = {}  # path -> (bytes, CRC-32)
-        _LIVE[self.root] = os.getpid()
-        _handle_sigterm()
+        _handle_sigterm(self.root, os.getpid())
         weakref.finalize(self, _remove, self.root, self._mark, os.getpid())
 
     def write(self, path: str, data) -> None:
@@ -146,8 +142,6 @@ def reclaim(directory: str) -> list[str]:
         if not name.startswith(PREFIX):
             continue
         path = os.path.join(directory, name)
-        if os.path.realpath(path) in map(os.path.realpath, _LIVE):
-            continue  # this process's own (NFS emulates flock with locks a process shares)
         fd = _take_if_abandoned(path)
         if fd is None:
             continue
@@ -187,39 +181,46 @@ def _take_if_abandoned(path: str) -> int | None:
 
 
 def _ours(mark: bytes) -> bool:
-    """Whether a mark reads "<pid> <this host>", the pid one a process can have."""
+    """Whether a mark reads "<pid> <this host>", the pid one a process can have, and not
+    this process's (its own live directories: NFS emulates flock with locks a process shares
+    with itself, so its own lock would not keep it from taking them)."""
     words = mark.decode("ascii", errors="replace").split()
     return (len(words) == 2 and words[0].isascii() and words[0].isdigit()
-            and len(words[0]) <= 10 and int(words[0]) < 2**31 and words[1] == socket.gethostname())
+            and len(words[0]) <= 10 and int(words[0]) < 2**31 and words[1] == socket.gethostname()
+            and int(words[0]) != os.getpid())
 
 
 def _remove(root: str, mark: int, owner: int) -> None:
     """Remove ``root`` and drop its lock, if this process made it (a forked child has a copy
     of the descriptor and the finalizer: the directory is its parent's)."""
     try:
-        if os.getpid() == owner and _LIVE.pop(root, None) is not None:
+        if os.getpid() == owner:
             shutil.rmtree(root, ignore_errors=True)
     finally:
         os.close(mark)
 
 
-def _handle_sigterm() -> None:
-    """Install the SIGTERM handler of the module note once, where SIGTERM would kill the
-    process (from the main thread: elsewhere Python refuses, and the reclaim remains)."""
+def _handle_sigterm(root: str, owner: int) -> None:
+    """Install a SIGTERM handler for ``root`` where SIGTERM would kill the process or is
+    zero's own (the module note); from the main thread only (elsewhere Python refuses, and
+    the reclaim remains)."""
     if threading.current_thread() is not threading.main_thread():
         return
     with _HANDLER_LOCK:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # ours already; or the program's own handler, SIG_IGN, or a C handler
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is not signal.SIG_DFL and not getattr(previous, "_zero_state_files", False):
+            return  # the program's own handler, SIG_IGN, or a C handler: the program decides
 
         def on_sigterm(signum, frame):
-            if signal.getsignal(signal.SIGTERM) is not on_sigterm:
+            if not getattr(signal.getsignal(signal.SIGTERM), "_zero_state_files", False):
                 return  # called on by a handler installed after ours: the program decides
-            for root, owner in list(_LIVE.items()):
-                if owner == os.getpid():
-                    _LIVE.pop(root, None)
-                    shutil.rmtree(root, ignore_errors=True)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die of it, as without us
-            os.kill(os.getpid(), signal.SIGTERM)
+            if os.getpid() == owner:  # (a forked child: the directory is its parent's)
+                shutil.rmtree(root, ignore_errors=True)
+            if callable(previous):
+                previous(signum, frame)  # the store made before this one: its directory
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die of it, as without us
+                os.kill(os.getpid(), signal.SIGTERM)
 
+        on_sigterm._zero_state_files = True  # type: ignore[attr-defined]
         signal.signal(signal.SIGTERM, on_sigterm)
