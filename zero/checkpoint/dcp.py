@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zero import comm
 from zero.checkpoint import reader, validate

@@ -161,6 +161,7 @@ def _agreed(ctx, path: str, checks_: Callable, *args):
         raise mine
     failed = [(r, error) for r, (error, _) in enumerate(told) if error]
     if failed or len({f for _, f in told}) > 1:
+        assert value is not None  # (this rank's checks passed: it holds what they opened)
         value[0].close()
     if failed:
         rank, (kind, message) = failed[0]
@@ -262,10 +263,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _checked_optim(ckpt: str, saved: dict) -> dict:
+def _checked_optim(ckpt: str, saved: dict) -> list:
     """The optimizer's param groups as DCP loaded them, refused by name unless each is a dict
     of options with its ``params`` a list of parameter names."""
     groups = saved.get("param_groups")
+    problem: str | None = None
     if not isinstance(groups, list) or not groups:
         problem = f"its param_groups are a {type(groups).__name__}, not a list of groups"
     else:
@@ -277,10 +279,11 @@ def _checked_optim(ckpt: str, saved: dict) -> dict:
     if problem:
         raise RuntimeError(f"checkpoint {ckpt} is corrupt: its optimizer's {problem}; load an "
                            "earlier checkpoint")
+    assert isinstance(groups, list)
     return groups
 
 
-def _groups(optimizer, names, saved_groups: list) -> list:
+def _groups(optimizer, names, saved_groups) -> list:
     """Our param groups, each with the checkpoint's options of the group of the same params."""
     index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     groups = []

@@ -27,6 +27,7 @@ The root's duties live in one ``Root`` object, which each unit points at (``unit
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from zero.core.reductions import Reductions
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
 from zero.core.state import TrainingState
+
+if TYPE_CHECKING:
+    from zero.core.unit import Unit
 
 GIVEN = ("backend", "prefetch", "schedule")  # what a root's zero.shard decides for every unit
 
@@ -71,7 +75,7 @@ class Root:
 
     def __init__(self, context, given: dict):
         self.context, self.given = context, given
-        self.unit = None  # the top unit (zero.shard sets it; a parent's call takes it over)
+        self.unit: Unit = None  # type: ignore[assignment]  # the top unit: zero.shard's add()
         self.members: list = []  # every unit pointing here, as zero.shard made them
         self._units: list | None = None
         self._guard: Guard | None = None
@@ -310,7 +314,7 @@ class Root:
             work = self.context.all_reduce(flags, op="max", group=self.unit.mesh.all_group,
                                            unit="root", phase="backward", async_op=True)
         self.reductions.wait(synced)
-        if work is not None:
+        if work is not None and flags is not None:
             work.wait()
             used = [bool(f) for f in flags.tolist()]
         offset = 0

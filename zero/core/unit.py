@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from zero import api
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import adoption, guards, registry
 from zero.core.config import MeshInfo, UnitConfig
@@ -65,7 +66,7 @@ class AllGather(NamedTuple):
     what must stay alive until the computing stream has waited for it (``zero/comm/context.py``'s
     note on streams): the tensors its side streams and the collective read and write."""
 
-    work: object  # its handle: the full parameters are readable after ``wait()``
+    work: api.Work  # its handle: the full parameters are readable after ``wait()``
     phase: str
     event: object  # recorded on the all-gather stream once issued (None on the CPU)
     buffers: tuple  # the shard it reads (a host-to-device copy, say), the buffer it fills
@@ -258,6 +259,7 @@ class Unit:
         streams = ctx.streams(self.unsharded.device)
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # from the smaller group
             mesh = self.mesh.post_forward
+            assert mesh is not None and self._post_forward_shard is not None  # (its state says)
             source, group, slot = self._post_forward_shard, mesh.group, mesh.slot(
                 self.layout.padded_numel)
             self._post_forward_shard = None
@@ -305,6 +307,7 @@ class Unit:
         (the collective itself by ``wait()``), and what it read and wrote may go."""
         if self.sharded_state is ShardedState.GATHERING:
             gathering, self._gathering = self._gathering, None
+            assert gathering is not None  # (GATHERING: a gather is in flight)
             self.root.context.streams(self.unsharded.device).wait(gathering.event)
             gathering.work.wait()
             self.sharded_state = ShardedState.UNSHARDED

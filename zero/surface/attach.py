@@ -72,7 +72,7 @@ def install(modules: list[nn.Module]) -> None:
             module.register_state_dict_pre_hook(_state_dict_pre_hook)
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
             module.register_load_state_dict_post_hook(_adopt_after_load)
-            module._zero_state_dict_hooks = True
+            setattr(module, "_zero_state_dict_hooks", True)
 
 
 def watch(root) -> None:
@@ -104,7 +104,7 @@ def serve(optimizer) -> None:
 
 
 def units_of_optimizer(optimizer) -> list:
-    units = {}  # ordered, deduplicated: the same order on every rank
+    units: dict = {}  # ordered, deduplicated: the same order on every rank
     for group in optimizer.param_groups:
         for p in group["params"]:
             if registry.replaced_by(p) is not None:
