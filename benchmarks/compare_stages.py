@@ -7,8 +7,9 @@ per-rank memory by category, bytes sent per step, and step time, beside the ZeRO
 
 Every system trains the same model from the same seed on the same data with AdamW. Memory
 is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zerolab.trackers.ZeroMemTracker for
-ours), bytes by torch's CommDebugMode (zerolab.measure.CommBytes; for ours it is checked
-against our ledger), time as the median of the timed steps (slowest rank per step).
+ours), bytes at the dispatcher (zerolab.measure.CommBytes, a dispatch mode as torch's
+CommDebugMode; for ours it is checked against our ledger), time as the median of the timed
+steps (slowest rank per step).
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@
   that nothing is communicated twice); except every second matmul, which is recomputed, to
   trade compute for memory. The count of matmuls starts again at each call of a block.
 
-One thing differs from a GPU run, on purpose: the plan's fake CPU ranks dispatch attention to
+Where it differs from torchtitan's: the plan's fake CPU ranks dispatch attention to
 ``_scaled_dot_product_flash_attention_for_cpu``, which the policy keeps as it keeps the GPU's
-flash kernel. torchtitan's ``force_recompute_mm_shapes_by_fqns`` (its MoE router's gate) is
-not applied.
+flash kernel. torchtitan also keeps ``topk`` (so that its MoE router picks the same experts
+when recomputed); transformers' Mixtral divides ``topk``'s output in place, which a kept
+tensor must not be (torch raises), so here the router's choice is recomputed. torchtitan's
+``force_recompute_mm_shapes_by_fqns`` (its router's gate) is not applied.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _kept_ops() -> set:
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
                  "_scaled_dot_product_fused_attention_overrideable",
-                 "_scaled_dot_product_flash_attention_for_cpu", "max", "linear", "topk"):
+                 "_scaled_dot_product_flash_attention_for_cpu", "max", "linear"):
         if (op := getattr(aten, name, None)) is not None:
             kept.add(op.default)
     functional = torch.ops._c10d_functional

@@ -23,7 +23,11 @@ collective loses to the compute it overlaps. When the collectives overlap comput
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from dataclasses import dataclass
+
+# One collective as the cost model reads it (a ledger record has the same fields)
+Call = namedtuple("Call", "op buffer_bytes sent_bytes group ranks")
 
 STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "agree": 1,
          "all_to_all": 1}  # (p - 1 pairwise exchanges, (p - 1)/p of the buffer sent)

@@ -55,6 +55,14 @@ def _group_size(func, args, default: int) -> int:
     return default
 
 
+def _uncounted(func) -> bool:
+    """A collective ``_OPS`` does not account: another c10d op, or a functional one (DTensor's)."""
+    space = getattr(func, "namespace", None)
+    if space == "c10d":
+        return func._overloadpacket in _COLLECTIVES
+    return space == "_c10d_functional" and "wait" not in str(func)
+
+
 class CommBytes(TorchDispatchMode):
     """``with CommBytes() as cb: step()``, then ``cb.sent`` ({op: bytes sent by this rank}),
     ``cb.elements`` (the same in elements: how the ZeRO paper counts Ψ) and ``cb.calls``."""
@@ -80,9 +88,8 @@ class CommBytes(TorchDispatchMode):
             self.sent[name] += int(_size(args[arg], True) * ring)
             self.elements[name] += int(_size(args[arg], False) * ring)
             self.calls[name] += 1
-        elif (getattr(func, "namespace", None) == "c10d" and func._overloadpacket in _COLLECTIVES
-              or getattr(func, "namespace", None) == "_c10d_functional" and "wait" not in str(func)):
-            self.unknown[str(func)] += 1  # (functional collectives: DTensor's, not counted)
+        elif _uncounted(func):
+            self.unknown[str(func)] += 1
         return out
 
     def total(self) -> int:

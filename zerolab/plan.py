@@ -10,15 +10,16 @@ collective recorded but moving nothing. What it reports, per rank:
   (``zerolab.trackers``), on the second step (the optimizer state exists by then): the model
   states (parameters + gradients + optimizer state at their largest, units in flight
   included), and the peak of everything, activations and temporaries too;
-- bytes sent, with the ledger's ring accounting: our ``zero.Ledger`` for ours (with the
-  flags a fake group skips: see ``simulate``; not the ranks' few bytes of agreement), torch's
-  collectives counted at the dispatcher (``zerolab.measure.CommBytes``) for FSDP2, and for DDP
-  (whose reducer cannot run on fake tensors) an all-reduce of every fp32 gradient, in DDP's
-  buckets, which its peak counts too (a flat copy of the gradients, held from wrapping on);
-- time: the collectives priced by ``zerolab.cost`` (alpha-beta rings, no overlap) plus the
-  step's FLOPs (torch's ``FlopCounterMode``) at the preset's rated dense throughput
-  (``zerolab.clusters``). Real steps reach 30-60% of a rated figure, and the model overlaps
-  nothing: the predicted time is a bound to compare systems by, not a forecast.
+- bytes sent, with the ledger's ring accounting: our ``zero.Ledger`` for ours (with what a
+  fake group skips: see ``simulate``), torch's collectives counted at the dispatcher for
+  FSDP2, and for DDP (whose reducer cannot run on fake tensors) an all-reduce of every fp32
+  gradient, in DDP's buckets, which its peak counts too (a flat copy of the gradients, held
+  from wrapping on);
+- time on the preset's GPUs (``zerolab/steptime.py``): every operator of the step priced by a
+  roofline (``zerolab/roofline.py``: matmuls at the GPU's measured maximum throughput,
+  attention by formula at FlashAttention-2's, the rest by bytes over the memory bandwidth),
+  every collective by ``zerolab/cost.py``, the two played together as the system's schedule
+  overlaps them (``zerolab/overlap.py``): the step, and the communication left exposed.
 
 The units are the model's repeated blocks (``zerolab.planmodel.repeated_blocks``: the children
 of a ``ModuleList`` that are all of one class), each one unit, and the root holding the rest.
@@ -30,7 +31,9 @@ extended on its own (the first two blocks', the last two's, those outside the bl
 largest taken. ``--exact`` runs every block instead (``notes/19-plan.md`` compares the two).
 
     python -m zerolab plan --model benchmarks/configs/llama-3-8b.json --world-size 64 \\
-        --cluster dgx-h100 --mixed-precision --batch 1 --seq 4096 --json plan.json
+        --cluster dgx-h100 --mixed-precision --batch 1 --seq 8192 --json plan.json
+
+Needs ``transformers`` for a Hugging Face config, ``torchtitan`` for ``torchtitan:NAME:FLAVOR``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ import json
 import sys
 import time
 import warnings
-from collections import namedtuple
 
 import torch
 import torch.distributed as dist
@@ -49,9 +51,10 @@ import torch.nn as nn
 import zero
 from zerolab import roofline, steptime
 from zerolab.clusters import PRESETS, preset
-from zerolab.cost import step_time
+from zerolab.cost import Call, step_time
 from zerolab.measure import _OPS, _group_size, _size
 from zerolab.planmodel import PlanError, Planned, build, fake_safe
+from zerolab.steptime import DDP_BUCKETS
 from zerolab.trackers import (MODEL_STATES, PeakFSDPMemTracker, PeakMemTracker,
                               ZeroMemTracker)
 
@@ -65,8 +68,6 @@ MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 # rank costs ~70 bytes (benchmarks/simulate.py measured it).
 MAX_MODULES, MAX_WORLD_SIZE = 2000, 1_000_000
 SAMPLE = (3, 4)  # the depths simulated when the blocks are alike
-DDP_BUCKETS = (1 << 20, 25 << 20)  # DDP's first bucket, then every other (bucket_cap_mb=25)
-Call = namedtuple("Call", "op buffer_bytes sent_bytes group ranks")  # what cost.step_time reads
 
 
 class StepRecorder(roofline.OpCosts):
@@ -606,11 +607,14 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
                  f"with the rest; their collectives are not overlapped)")
     d, ac = p.device, args.activation_checkpointing
     scale = f", all scaled by --efficiency {args.efficiency:g}" if args.efficiency != 1 else ""
+    cache = " Hugging Face config planned with use_cache off (training)." \
+        if info["no_cache"] else ""
+    precision = (", bf16 compute, fp32 master and reduction (DDP: fp32)" if args.mixed_precision
+                 else ", fp32 (TF32 matmuls)")
     r0 = rows[0]
-    out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}."
-           f"{' Hugging Face config planned with use_cache off (training).' if info['no_cache'] else ''}",
-           f"Batch {args.batch} x seq {args.seq} per rank"
-           f"{', bf16 compute, fp32 master and reduction (DDP: fp32)' if args.mixed_precision else ', fp32 (TF32 matmuls)'}"
+    run_flops = r0["flops_per_rank_per_step"] / (args.batch * args.seq)
+    out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}.{cache}",
+           f"Batch {args.batch} x seq {args.seq} per rank{precision}"
            f"{f', {ac} activation checkpointing' if ac else ''}; {args.world_size} ranks.",
            f"Cluster: {p.cluster.name}; {p.memory_bytes / 1e9:g} GB a GPU ({p.source}).",
            f"GPU time ({d.name}): matmuls at {100 * d.matmul_efficiency:.1f}% of "
@@ -619,10 +623,11 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
            f"{d.memory_tbs:g} TB/s (rated){scale}; collectives overlapped as each system "
            f"schedules them (zerolab/overlap.py).",
            f"FLOPs a token: {r0['model_flops_per_token'] / 1e9:.4g} G counted as MFU counts them "
-           f"(3 x forward, attention whole), {r0['flops_per_rank_per_step'] / (args.batch * args.seq) / 1e9:.4g} G "
-           f"run (recompute in, causal attention's masked half out).", "",
+           f"(3 x forward, attention whole), {run_flops / 1e9:.4g} G run (recompute in, causal "
+           f"attention's masked half out).", "",
            "| system | fits | model states GB | peak GB (phase) | sent GB/step | comm s | "
-           "exposed s | step s | tokens/s a GPU | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "exposed s | step s | tokens/s a GPU | MFU |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['system']} | {'yes' if r['fits'] else 'no'} | "
                    f"{r['model_state_bytes_per_rank'] / 1e9:.3f} | "
@@ -640,7 +645,8 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
                 f"reserves (its cache and fragmentation come on top)."]
     for r in rows:
         if "host_bytes_per_rank" in r:
-            out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB a rank "
+            out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB "
+                       f"a rank "
                        f"(the shards, their gradients, the optimizer state), and "
                        f"{r['host_device_bytes_per_step'] / 1e9:.3f} GB cross between host and "
                        f"device a step (in comm s); the columns are the device's.")

@@ -20,7 +20,7 @@ parameters' gradients is (``buckets``).
 from __future__ import annotations
 
 from zerolab import overlap
-from zerolab.cost import record_time
+from zerolab.cost import Call, record_time
 from zerolab.roofline import Roofline
 
 GATHERS = ("all_gather", "broadcast", "h2d", "read")  # what a unit needs before it computes
@@ -62,8 +62,6 @@ def buckets(grads, depth: int, n: int, cluster) -> list[tuple[int, float]]:
     """DDP's all-reduces: ``grads`` is (the piece key where a parameter's gradient is formed,
     its fp32 bytes) in parameter order; buckets fill in reverse order (1 MiB, then 25 MiB),
     and each is ready after the last of its pieces in backward."""
-    from zerolab.plan import Call
-
     index = {k: i for i, k in enumerate(piece_keys(depth))}
     out, fill, ready, cap = [], 0, 0, DDP_BUCKETS[0]
     for key, nbytes in reversed(grads):
