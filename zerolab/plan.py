@@ -364,8 +364,8 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
     # every collective too: not counted, it is a debugging mode)
     flags = sum(len(u.params) for u in zero.units_of(model)) if kind.startswith("zero") else None
     if flags is not None:
-        start = [Call("agree", 16 * n, 16 * (n - 1), "world", n)]
-        end = [Call("all_reduce", flags, int(flags * 2 * (n - 1) / n), "world", n)]
+        start = [Call("agree", 16 * n, 16 * (n - 1), "world", n)]  # (for the time only: the
+        end = [Call("all_reduce", flags, flags * 2 * (n - 1) / n, "world", n)]  # bytes in _row)
     forward = [op for k, ops in seg.ops.items() if k[0] == "forward" for op in ops]
     every = [op for ops in seg.ops.values() for op in ops]
     return {"flags": flags, "segments": seg.out, "depth": len(model.block_names), "sent": sent,

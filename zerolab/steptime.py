@@ -71,8 +71,9 @@ def buckets(grads, depth: int, n: int, cluster) -> list[tuple[int, float]]:
             fill, ready, cap = 0, 0, DDP_BUCKETS[1]
     if fill:
         out.append((ready, fill))
-    return [(piece, record_time(Call("all_reduce", b, int(2 * b * (n - 1) / n), "world", n),
-                                cluster)) for piece, b in out]
+    # (the bytes a rank sends, not rounded to whole bytes: a time, extended along the blocks)
+    return [(piece, record_time(Call("all_reduce", b, 2 * b * (n - 1) / n, "world", n), cluster))
+            for piece, b in out]
 
 
 def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float = 1.0) -> dict:
