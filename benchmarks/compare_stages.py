@@ -7,8 +7,9 @@ per-rank memory by category, bytes sent per step, and step time, beside the ZeRO
 
 Every system trains the same model from the same seed on the same data with AdamW. Memory
 is measured by torch's MemTracker (FSDPMemTracker for FSDP2, zerolab.trackers.ZeroMemTracker for
-ours), bytes by torch's CommDebugMode (zerolab.measure.CommBytes; for ours it is checked
-against our ledger), time as the median of the timed steps (slowest rank per step).
+ours), bytes at the dispatcher (zerolab.measure.CommBytes, a dispatch mode as torch's
+CommDebugMode; for ours it is checked against our ledger), time as the median of the timed
+steps (slowest rank per step).
 """
 
 from __future__ import annotations
@@ -226,8 +227,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of the GPT: a Hugging Face config.json, torchtitan:NAME:FLAVOR or "
                         "package.module:callable (as python -m zerolab plan takes it), measured "
                         "beside the plan's prediction")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="with --model: each block recomputed in backward, as the plan's flag")
+    p.add_argument("--activation-checkpointing", nargs="?", const="full", default=None,
+                   choices=("full", "selective"),
+                   help="with --model: each block recomputed in backward, whole (full, the flag "
+                        "alone) or by torchtitan's per-op policy (selective), as the plan's flag")
     p.add_argument("--wrap-policy", default=None, metavar="POLICY",
                    help="with --model: units by an FSDP1 auto-wrap policy, as python -m zerolab plan "
                         "takes it (transformer:Class[,Class] or size:N)")
@@ -368,10 +371,11 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
                                                  wrap=args.wrap_policy,
                                                  checkpoint=args.activation_checkpointing)}
     out = ["", "## Beside the plan (python -m zerolab plan, the same model on fake ranks)", "",
-           "MiB per rank; bytes sent per rank per step (CommDebugMode's count, ring accounting); "
-           "predicted / measured. Ledger: for ours, the measured ledger less the ranks' "
-           "agreements (a few bytes a step that the fake group of the plan does not issue), "
-           "and whether it equals the prediction.", "",
+           "MiB per rank; bytes sent per rank per step (counted at the dispatcher, ring "
+           "accounting); predicted / measured. The plan counts our one agreement a step by rule "
+           "(its fake group skips it); ZERO_CHECK=1 agrees before every collective, so the "
+           "last column compares the measured ledger and the prediction both less their "
+           "agreements.", "",
            "| system | model states: measured | predicted | ratio | peak: measured | predicted "
            "| ratio | bytes sent: measured | predicted | ratio | ledger less agreements |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -386,15 +390,16 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
             fmt = (lambda v: f"{v / unit:.3f}") if unit > 1 else (lambda v: f"{v:,}")  # noqa: E731
             ratio = p[key] / m[key] if m[key] else float("nan")
             cells += [fmt(m[key]), fmt(p[key]), f"{ratio:.4f}"]
-        if m["ledger_bytes_per_rank_per_step"] is not None:
+        if m["ledger_bytes_per_rank_per_step"] is not None:  # both less the agreements
             ledger = m["ledger_bytes_per_rank_per_step"] - m["agreement_bytes_per_rank_per_step"]
-            cells.append(f"{ledger:,} ({'=' if ledger == p['bytes_sent_per_rank_per_step'] else '≠'})")
+            less = p["bytes_sent_per_rank_per_step"] - p["agreement_bytes_per_rank_per_step"]
+            cells.append(f"{ledger:,} ({'=' if ledger == less else '≠'})")
         else:
             cells.append("-")
         out.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
-        both.append({**m, "predicted": {k: p[k] for k in (
+        both.append({**m, "predicted": {k: p.get(k, 0) for k in (
             "model_state_bytes_per_rank", "peak_bytes_per_rank", "bytes_sent_per_rank_per_step",
-            "predicted_step_s")}})
+            "agreement_bytes_per_rank_per_step", "predicted_step_s")}})
     args.json_rows = both
     return out
 

@@ -191,7 +191,7 @@ def write(rows, args, argv, stage_of) -> None:
                      f"{'bf16 params / fp32 reduce' if args.mixed_precision else 'fp32'}"]
         body = ["", "## Memory per rank (MiB; the largest rank; MemTracker: each category's own peak, then the peak total)", "",
                 *memory_table(rows, n, stage_of), "",
-                "## Bytes sent per rank per step (MiB; CommDebugMode, ring accounting)", "",
+                "## Bytes sent per rank per step (MiB; counted at the dispatcher, ring accounting)", "",
                 "R = 4 x Ψ x (N-1)/N bytes, what one rank sends in an all-gather of every fp32 "
                 "parameter (notes/00-start-here.md); measured / R counts elements.", "",
                 *traffic_table(rows, n, stage_of)]

@@ -1,19 +1,51 @@
-"""Cluster presets for the plan: per-GPU memory, rated compute, and the links of ``cost.py``.
+"""Cluster presets for the plan: the GPU (memory, compute, bandwidth) and the links of ``cost.py``.
 
-Figures are vendors' published ratings (not measured here), per GPU and per direction:
+Every figure is a vendor's published rating or a published measurement, per GPU and per
+direction; none was fitted to the plan's anchors. Ratings are dense (no sparsity). What a
+kernel reaches of them (``zerolab/roofline.py``):
 
-- ``dgx-h100``: NVIDIA DGX H100, 8 x H100 SXM5 80 GB a node; NVLink 4 at 900 GB/s
-  bidirectional (450 GB/s each way); 8 x ConnectX-7 400 Gb/s InfiniBand a node, one a GPU
-  (50 GB/s); 989 TFLOPS dense BF16, 495 dense TF32 (the sparsity-doubled figures halved).
-  Sources: the NVIDIA H100 Tensor Core GPU datasheet and the DGX H100 datasheet.
-- ``dgx-h200``: NVIDIA DGX H200, the same node with 141 GB HBM3e a GPU and the same NVLink,
-  network and compute ratings. Source: the NVIDIA H200 Tensor Core GPU datasheet.
-- ``cloud-ethernet``: AWS p4d.24xlarge, 8 x A100 40 GB a node on NVSwitch (600 GB/s
-  bidirectional, 300 each way), 400 Gb/s of EFA a node (6.25 GB/s a GPU); 312 TFLOPS dense
-  BF16, 156 TF32. Sources: the AWS EC2 P4d instance page and the NVIDIA A100 datasheet.
+- matmuls: the *maximum achievable matmul FLOPS* (MAMF) measured with bf16 inputs at the
+  best shape, over the rated peak: S. Bekman, "Machine Learning Engineering",
+  compute/accelerator/README.md, table "Maximum Achievable Matmul FLOPS comparison table":
+  A100 SXM 271.2 of 312 (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is the same"), B200 SXM
+  1745.0 of 2250 (77.6%), MI300X 668.4 of 1300 (51.4%);
+- attention: FlashAttention-2, the kernel behind ``scaled_dot_product_attention``'s flash
+  backend: 35% of an H100's peak (Shah et al., "FlashAttention-3", 2024, abstract), 50-73% of an
+  A100's (Dao, "FlashAttention-2", 2023, abstract; the plan takes 50%, the backward, the larger
+  part, being the slower). B200 and MI300X: no published figure used; the H100's is assumed;
+- memory-bound operators: the rated HBM bandwidth (a kernel reaches less: their time is a
+  lower bound).
+
+The presets:
+
+- ``dgx-h100``: NVIDIA DGX H100, 8 x H100 SXM5 80 GB HBM3 (3.35 TB/s) a node; NVLink 4, 900 GB/s
+  bidirectional (450 each way); 8 x ConnectX-7 400 Gb/s a node, one a GPU (50 GB/s); 989
+  TFLOPS dense BF16, 495 TF32. Sources: NVIDIA H100 Tensor Core GPU and DGX H100 datasheets.
+- ``h100-96gb``: the GPUs of torchtitan's published Llama 3.1 runs (its
+  ``benchmarks/llama3_h100_202412_torchtitan.md``): Meta's Grand Teton, 8 x H100 96 GB HBM2e at
+  2.4 TB/s a node, NVLink between all 8, 400 Gb/s of RDMA a GPU, a 500 W power limit (700 W is
+  the SXM rating). torchtitan: its peak is "between SXM and NVL" (989 and 835 TFLOPS), value
+  unknown; it computes MFU against 989, and so does this preset. The power limit is not
+  modelled: the predicted compute is optimistic by up to 989/835 - 1 = 18%.
+- ``dgx-h200``: NVIDIA DGX H200: 8 x H200 141 GB HBM3e (4.8 TB/s), otherwise the DGX H100's
+  links and compute. Source: NVIDIA H200 Tensor Core GPU datasheet.
+- ``dgx-a100-40gb`` / ``dgx-a100-80gb``: NVIDIA DGX A100: 8 x A100 SXM4 40 GB HBM2 (1.555 TB/s)
+  or 80 GB HBM2e (2.039 TB/s); NVLink 3, 600 GB/s bidirectional (300 each way); 8 x ConnectX-6
+  200 Gb/s HDR a node (25 GB/s a GPU); 312 TFLOPS BF16, 156 TF32. Sources: NVIDIA A100 Tensor
+  Core GPU and DGX A100 datasheets.
+- ``cloud-ethernet``: AWS p4d.24xlarge: the A100 40 GB of above on NVSwitch, but 400 Gb/s of
+  EFA a node (6.25 GB/s a GPU). Source: the AWS EC2 P4d instance page.
+- ``dgx-b200``: NVIDIA DGX B200: 8 x B200 180 GB HBM3e (8 TB/s); NVLink 5, 1.8 TB/s
+  bidirectional (900 each way); 8 x ConnectX-7 400 Gb/s (50 GB/s a GPU); 2,250 TFLOPS dense
+  BF16, 1,125 TF32. Sources: NVIDIA DGX B200 datasheet, NVIDIA Blackwell datasheet (HGX B200).
+- ``mi300x``: AMD Instinct MI300X platform: 8 x MI300X 192 GB HBM3 (5.3 TB/s) a node, fully
+  connected by Infinity Fabric, 896 GB/s aggregate bidirectional a GPU (448 each way); one
+  400 Gb/s NIC a GPU (50 GB/s, as Azure's ND MI300X v5); 1,307 TFLOPS dense BF16, 654 TF32.
+  Sources: AMD Instinct MI300X datasheet and platform brief, Azure ND MI300X v5 page.
 
 Every field can be overridden from the command line (``--memory-gb``, ``--tflops``,
-``--intra-gbs``, ``--inter-gbs``, ``--gpus-per-node``).
+``--intra-gbs``, ``--inter-gbs``, ``--gpus-per-node``), and ``--efficiency`` scales every
+achievable rate to your own measurement.
 """
 
 from __future__ import annotations
@@ -21,31 +53,65 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from zerolab.cost import Cluster
+from zerolab.roofline import Device
+
+# Measured fractions of the rated peak (see the module docstring for each source)
+MAMF = {"A100": 271.2 / 312, "H100": 794.5 / 989, "B200": 1745.0 / 2250, "MI300X": 668.4 / 1300}
+FLASH2 = {"A100": 0.50, "H100": 0.35}
 
 
 @dataclass(frozen=True)
 class Preset:
     cluster: Cluster  # links (cost.py)
+    device: Device  # compute and memory bandwidth (roofline.py)
     memory_bytes: float  # device memory per GPU
-    tflops_bf16: float  # rated dense throughput per GPU, mixed precision
-    tflops_fp32: float  # rated dense throughput per GPU, fp32 (TF32 tensor cores)
     source: str
 
     def tflops(self, mixed_precision: bool) -> float:
-        return self.tflops_bf16 if mixed_precision else self.tflops_fp32
+        """The rated dense throughput (TF32 for fp32)."""
+        return self.device.tflops_bf16 if mixed_precision else self.device.tflops_fp32
 
+
+def _gpu(name, family, bf16, tf32, tbs, attention_as=None):
+    return Device(name, bf16, tf32, tbs, MAMF[family], FLASH2[attention_as or family])
+
+
+_H100 = _gpu("H100 SXM5 80 GB", "H100", 989, 495, 3.35)
+_A100_40 = _gpu("A100 SXM4 40 GB", "A100", 312, 156, 1.555)
 
 PRESETS = {
     "dgx-h100": Preset(Cluster("DGX H100: 8 x H100 80 GB a node, NVLink 450 GB/s, IB 50 GB/s a "
                                "GPU", ranks_per_node=8, intra_gbs=450, inter_gbs=50),
-                       80e9, 989, 495, "NVIDIA H100 and DGX H100 datasheets"),
+                       _H100, 80e9, "NVIDIA H100 and DGX H100 datasheets"),
+    "h100-96gb": Preset(Cluster("Grand Teton (torchtitan's runs): 8 x H100 96 GB HBM2e a node at "
+                                "500 W, NVLink 450 GB/s, RDMA 50 GB/s a GPU", ranks_per_node=8,
+                                intra_gbs=450, inter_gbs=50),
+                        _gpu("H100 96 GB HBM2e, 500 W", "H100", 989, 495, 2.4), 96e9,
+                        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md; NVIDIA H100 "
+                        "datasheet"),
     "dgx-h200": Preset(Cluster("DGX H200: 8 x H200 141 GB a node, NVLink 450 GB/s, IB 50 GB/s a "
                                "GPU", ranks_per_node=8, intra_gbs=450, inter_gbs=50),
-                       141e9, 989, 495, "NVIDIA H200 datasheet"),
+                       _gpu("H200 141 GB", "H100", 989, 495, 4.8), 141e9,
+                       "NVIDIA H200 datasheet"),
+    "dgx-a100-40gb": Preset(Cluster("DGX A100: 8 x A100 40 GB a node, NVLink 300 GB/s, IB 25 GB/s "
+                                    "a GPU", ranks_per_node=8, intra_gbs=300, inter_gbs=25),
+                            _A100_40, 40e9, "NVIDIA A100 and DGX A100 datasheets"),
+    "dgx-a100-80gb": Preset(Cluster("DGX A100: 8 x A100 80 GB a node, NVLink 300 GB/s, IB 25 GB/s "
+                                    "a GPU", ranks_per_node=8, intra_gbs=300, inter_gbs=25),
+                            _gpu("A100 SXM4 80 GB", "A100", 312, 156, 2.039), 80e9,
+                            "NVIDIA A100 and DGX A100 datasheets"),
     "cloud-ethernet": Preset(Cluster("AWS p4d.24xlarge: 8 x A100 40 GB a node, NVSwitch 300 GB/s, "
                                      "400 Gb/s EFA a node (6.25 GB/s a GPU)", ranks_per_node=8,
                                      intra_gbs=300, inter_gbs=6.25),
-                             40e9, 312, 156, "AWS EC2 P4d page, NVIDIA A100 datasheet"),
+                             _A100_40, 40e9, "AWS EC2 P4d page, NVIDIA A100 datasheet"),
+    "dgx-b200": Preset(Cluster("DGX B200: 8 x B200 180 GB a node, NVLink 900 GB/s, IB 50 GB/s a "
+                               "GPU", ranks_per_node=8, intra_gbs=900, inter_gbs=50),
+                       _gpu("B200 180 GB", "B200", 2250, 1125, 8.0, attention_as="H100"), 180e9,
+                       "NVIDIA DGX B200 and Blackwell datasheets"),
+    "mi300x": Preset(Cluster("8 x MI300X 192 GB a node, Infinity Fabric 448 GB/s, 50 GB/s a GPU "
+                             "across", ranks_per_node=8, intra_gbs=448, inter_gbs=50),
+                     _gpu("MI300X 192 GB", "MI300X", 1307, 654, 5.3, attention_as="H100"), 192e9,
+                     "AMD Instinct MI300X datasheet, Azure ND MI300X v5"),
 }
 
 
@@ -61,5 +127,5 @@ def preset(name: str, memory_gb: float | None = None, tflops: float | None = Non
     if memory_gb is not None:
         p = replace(p, memory_bytes=memory_gb * 1e9)
     if tflops is not None:
-        p = replace(p, tflops_bf16=tflops, tflops_fp32=tflops)
+        p = replace(p, device=replace(p.device, tflops_bf16=tflops, tflops_fp32=tflops))
     return p

@@ -7,9 +7,13 @@ crosses: NVLink if all its ranks are on one node, the network if it spans nodes:
 
     time = steps * alpha + sent_bytes / beta
 
-That is all the model knows: no overlap with computation, no contention between concurrent
-collectives, no hierarchical (tree, NVLS) algorithms. It is enough to see what hybrid sharding
-buys: which bytes cross the slow links.
+An all-reduce that spans nodes pays the latency of NCCL's tree instead (a chain within each
+node, a binary tree across): 2 x (ranks per node - 1 + log2 nodes) steps instead of the ring's
+2 x (p - 1), at the same bandwidth (either sends about twice the buffer from every rank).
+All-gathers and reduce-scatters run as rings (NCCL has no tree for them). Not modelled:
+contention between concurrent collectives, NVLink SHARP (NVLS), and the bandwidth a
+collective loses to the compute it overlaps. When the collectives overlap computation is
+``zerolab/overlap.py``'s question; this file only prices each one.
 
     cluster = Cluster("8 x H100 per node, NVLink 4, 4 x 200 Gb/s IB", ranks_per_node=8,
                       intra_gbs=450, inter_gbs=12.5)
@@ -18,7 +22,12 @@ buys: which bytes cross the slow links.
 
 from __future__ import annotations
 
+import math
+from collections import namedtuple
 from dataclasses import dataclass
+
+# One collective as the cost model reads it (a ledger record has the same fields)
+Call = namedtuple("Call", "op buffer_bytes sent_bytes group ranks")
 
 STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "agree": 1,
          "all_to_all": 1}  # (p - 1 pairwise exchanges, (p - 1)/p of the buffer sent)
@@ -37,6 +46,8 @@ class Cluster:
     host_gbs: float = 25.0  # host <-> device, per GPU (PCIe 4 x16, about 25 GB/s each way)
     host_alpha_us: float = 10.0
     disk_gbs: float = 3.0  # memory <-> a local NVMe drive, per GPU (a 4-drive RAID0 for 8 GPUs)
+    # host memory a GPU's share of: a DGX H100's 2 x 8 channels of DDR5-4800 (614 GB/s) / 8
+    host_memory_gbs: float = 77.0
 
 
 def collective_time(op: str, sent_bytes: float, ranks: int, crosses_nodes: bool,
@@ -46,7 +57,11 @@ def collective_time(op: str, sent_bytes: float, ranks: int, crosses_nodes: bool,
         return 0.0
     alpha = (cluster.inter_alpha_us if crosses_nodes else cluster.intra_alpha_us) * 1e-6
     beta = (cluster.inter_gbs if crosses_nodes else cluster.intra_gbs) * 1e9
-    return STEPS[op] * (ranks - 1) * alpha + sent_bytes / beta
+    steps = STEPS[op] * (ranks - 1)
+    if op == "all_reduce" and crosses_nodes and ranks > cluster.ranks_per_node:
+        nodes = -(-ranks // cluster.ranks_per_node)
+        steps = min(steps, 2 * (cluster.ranks_per_node - 1 + math.ceil(math.log2(nodes))))
+    return steps * alpha + sent_bytes / beta
 
 
 def crosses_nodes(group: str, ranks: int, cluster: Cluster) -> bool:
@@ -55,19 +70,24 @@ def crosses_nodes(group: str, ranks: int, cluster: Cluster) -> bool:
     return group != "intra-node" and (group == "inter-node" or ranks > cluster.ranks_per_node)
 
 
+def record_time(r, cluster: Cluster) -> float:
+    """Seconds for one ledger record (or anything with its fields: op, buffer_bytes,
+    sent_bytes, group, ranks): a collective, a copy between host and device at the host link's
+    bandwidth (CPU offload's), or a read or write of the disk (disk offload's)."""
+    if r.op in ("h2d", "d2h"):
+        return cluster.host_alpha_us * 1e-6 + r.buffer_bytes / (cluster.host_gbs * 1e9)
+    if r.op in ("read", "write"):
+        return r.buffer_bytes / (cluster.disk_gbs * 1e9)
+    return collective_time(r.op, r.sent_bytes, r.ranks, crosses_nodes(r.group, r.ranks, cluster),
+                           cluster)
+
+
 def step_time(records, cluster: Cluster) -> dict[str, float]:
     """Seconds of communication per step, by group, and in total, from ledger records (a copy
     between host and device, CPU offload's, at the host link's bandwidth: group "host"; disk
-    offload's reads and writes at the disk's: group "disk")."""
+    offload's reads and writes at the disk's: group "disk"), one after another."""
     out: dict[str, float] = {}
     for r in records:
-        if r.op in ("h2d", "d2h"):
-            t = cluster.host_alpha_us * 1e-6 + r.buffer_bytes / (cluster.host_gbs * 1e9)
-        elif r.op in ("read", "write"):
-            t = r.buffer_bytes / (cluster.disk_gbs * 1e9)
-        else:
-            t = collective_time(r.op, r.sent_bytes, r.ranks,
-                                crosses_nodes(r.group, r.ranks, cluster), cluster)
-        out[r.group] = out.get(r.group, 0.0) + t
+        out[r.group] = out.get(r.group, 0.0) + record_time(r, cluster)
     out["total"] = sum(out.values())
     return out

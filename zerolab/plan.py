@@ -10,15 +10,16 @@ collective recorded but moving nothing. What it reports, per rank:
   (``zerolab.trackers``), on the second step (the optimizer state exists by then): the model
   states (parameters + gradients + optimizer state at their largest, units in flight
   included), and the peak of everything, activations and temporaries too;
-- bytes sent, with the ledger's ring accounting: our ``zero.Ledger`` for ours (with the
-  flags a fake group skips: see ``simulate``; not the ranks' few bytes of agreement), torch's
-  collectives counted at the dispatcher (``zerolab.measure.CommBytes``) for FSDP2, and for DDP
-  (whose reducer cannot run on fake tensors) an all-reduce of every fp32 gradient, in DDP's
-  buckets, which its peak counts too (a flat copy of the gradients, held from wrapping on);
-- time: the collectives priced by ``zerolab.cost`` (alpha-beta rings, no overlap) plus the
-  step's FLOPs (torch's ``FlopCounterMode``) at the preset's rated dense throughput
-  (``zerolab.clusters``). Real steps reach 30-60% of a rated figure, and the model overlaps
-  nothing: the predicted time is a bound to compare systems by, not a forecast.
+- bytes sent, with the ledger's ring accounting: our ``zero.Ledger`` for ours (with what a
+  fake group skips: see ``simulate``), torch's collectives counted at the dispatcher for
+  FSDP2, and for DDP (whose reducer cannot run on fake tensors) an all-reduce of every fp32
+  gradient, in DDP's buckets, which its peak counts too (a flat copy of the gradients, held
+  from wrapping on);
+- time on the preset's GPUs (``zerolab/steptime.py``): every operator of the step priced by a
+  roofline (``zerolab/roofline.py``: matmuls at the GPU's measured maximum throughput,
+  attention by formula at FlashAttention-2's, the rest by bytes over the memory bandwidth),
+  every collective by ``zerolab/cost.py``, the two played together as the system's schedule
+  overlaps them (``zerolab/overlap.py``): the step, and the communication left exposed.
 
 The units are the model's repeated blocks (``zerolab.planmodel.repeated_blocks``: the children
 of a ``ModuleList`` that are all of one class), each one unit, and the root holding the rest.
@@ -30,7 +31,9 @@ extended on its own (the first two blocks', the last two's, those outside the bl
 largest taken. ``--exact`` runs every block instead (``notes/19-plan.md`` compares the two).
 
     python -m zerolab plan --model benchmarks/configs/llama-3-8b.json --world-size 64 \\
-        --cluster dgx-h100 --mixed-precision --batch 1 --seq 4096 --json plan.json
+        --cluster dgx-h100 --mixed-precision --batch 1 --seq 8192 --json plan.json
+
+Needs ``transformers`` for a Hugging Face config, ``torchtitan`` for ``torchtitan:NAME:FLAVOR``.
 """
 
 from __future__ import annotations
@@ -40,16 +43,18 @@ import json
 import sys
 import time
 import warnings
-from collections import namedtuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import zero
+from zerolab import roofline, steptime
 from zerolab.clusters import PRESETS, preset
-from zerolab.cost import step_time
-from zerolab.measure import _OPS, CommBytes, _group_size, _size
+from zerolab.cost import Call, step_time
+from zerolab.measure import _OPS, _group_size, _size
 from zerolab.planmodel import PlanError, Planned, build, fake_safe
+from zerolab.steptime import DDP_BUCKETS
 from zerolab.trackers import (MODEL_STATES, PeakFSDPMemTracker, PeakMemTracker,
                               ZeroMemTracker)
 
@@ -63,24 +68,37 @@ MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 # rank costs ~70 bytes (benchmarks/simulate.py measured it).
 MAX_MODULES, MAX_WORLD_SIZE = 2000, 1_000_000
 SAMPLE = (3, 4)  # the depths simulated when the blocks are alike
-DDP_BUCKETS = (1 << 20, 25 << 20)  # DDP's first bucket, then every other (bucket_cap_mb=25)
-Call = namedtuple("Call", "op buffer_bytes sent_bytes group ranks")  # what cost.step_time reads
 
 
-class CommCalls(CommBytes):
-    """``CommBytes`` that also keeps each collective, for the cost model."""
+class StepRecorder(roofline.OpCosts):
+    """``roofline.OpCosts`` (every operator's FLOPs and bytes) that also keeps each collective,
+    for the cost model, with the unit it served: FSDP2 names it in its ``record_function``
+    labels ("FSDP::all_gather (inner.model.layers.3)"; unnamed: the root). ``phase`` is set
+    by ``_Segments`` as the step goes."""
 
-    def __init__(self, world_size: int):
-        super().__init__(world_size)
-        self.calls_list: list[Call] = []
+    def __init__(self, world_size: int, host: torch.device | None = None):
+        super().__init__(host)
+        self.n, self.phase = world_size, "forward"
+        self.calls: list[tuple[str, str, Call]] = []  # (unit, phase, call), in issue order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func in _OPS:
+        if func in _OPS and out is not NotImplemented:
             name, arg, factor = _OPS[func]
             n, full = _group_size(func, args, self.n), _size(args[arg], True)
-            self.calls_list.append(Call(name, full, int(full * factor * (n - 1) / n), "world", n))
+            call = Call(name, full, int(full * factor * (n - 1) / n), "world", n)
+            self.calls.append((self._unit(), self.phase, call))
         return out
+
+    def _unit(self) -> str:
+        for label in reversed(self.labels):
+            if label.startswith("FSDP::"):
+                if " for " in label:  # "FSDP::backward_prefetch for inner.model.layers.2"
+                    return label.rpartition(" for ")[2]
+                if label.endswith(")") and "(" in label:
+                    return label[label.rindex("(") + 1:-1]
+                return "root"
+        return "root"
 
 
 class _NoModuleStats:
@@ -201,8 +219,9 @@ class _Segments:
     depth, so the largest over blocks is at the first or the last blocks: that is what lets a
     shallow model's figures be extended to a deep one."""
 
-    def __init__(self, mt, model: Planned):
+    def __init__(self, mt, model: Planned, rec: StepRecorder):
         self.mt, self.key, self.out, self.handles = mt, ("forward", "head"), {}, []
+        self.rec, self.ops = rec, {}  # each piece's operators (roofline.Op), for its time
         blocks = [model.inner.get_submodule(b) for b in model.block_names]
         for j, block in enumerate(blocks):
             self.handles.append(block.register_forward_pre_hook(
@@ -227,8 +246,11 @@ class _Segments:
         f = _figures(self.mt)
         was = self.out.get(self.key)
         self.out[self.key] = f if was is None else _most(was, f)
+        self.ops.setdefault(self.key, []).extend(self.rec.take())
         _reset(self.mt)
         self.key = key
+        if key is not None:
+            self.rec.phase = key[0]
 
     def remove(self):
         for h in self.handles:
@@ -272,13 +294,13 @@ def _canon(segments: dict, depth: int) -> dict:
 
 
 def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = False,
-             checkpoint: bool = False, gpus_per_node: int = 8, flops: bool = False,
+             checkpoint: bool | str = False, gpus_per_node: int = 8,
              blocks: int | None = None, wrap: str | None = None) -> dict:
     """One training step of rank 0 of ``n`` for ``kind`` on fake tensors (``blocks``: the
-    model cut to its first that many blocks): per phase what it held, and what it sent."""
+    model cut to its first that many blocks): per piece of the step what it held and the
+    operators it ran, and what it sent."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils.flop_counter import FlopCounterMode
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
@@ -292,14 +314,11 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             gen = torch.Generator().manual_seed(0)
             x, y = model.batch(batch, gen)
-            # The first step: the optimizer state exists after it. Its FLOPs and FSDP2's
-            # collectives are every step's, counted here, not in the measured step: torch's
-            # FlopCounterMode and CommDebugMode keep tensors alive that the step would free
-            # (with checkpointing, DDP's peak read 1.68x the measured one under the first, a
-            # BERT's every peak a hidden state high under the second)
-            fc = FlopCounterMode(display=False) if flops else _Nothing()
-            with fc, CommCalls(n) as comm:
-                model.loss(model(x), y).backward()
+            # The first step: the optimizer state exists after it. The second is measured: its
+            # memory by the tracker, its operators and collectives by the recorder, which holds
+            # no tensor (torch's FlopCounterMode and CommDebugMode, which track modules, kept
+            # tensors alive that the step would free: they once ran in this first step)
+            model.loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
             if kind == "ddp":
@@ -309,8 +328,9 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
                 mt = _FSDPTracker(model, opt)
             else:
                 mt = ZeroMemTracker(model, opt, per_module=False)
-            with mt, zero.Ledger() as ledger:
-                seg = _Segments(mt, model)
+            rec = StepRecorder(n, HOST if kind == "zero3-offload" else None)
+            with mt, zero.Ledger() as ledger, rec:
+                seg = _Segments(mt, model, rec)
                 loss = model.loss(model(x), y)
                 seg.cut(("backward", "head"))
                 loss.backward()
@@ -319,35 +339,59 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
                 opt.zero_grad()
                 seg.cut(None)
                 seg.remove()
-        grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        grads = _gradient_pieces(model)
         buffer_bytes: dict[str, int] = {}
         for b in model.buffers():
             buffer_bytes[str(b.dtype)] = buffer_bytes.get(str(b.dtype), 0) + b.nbytes
     finally:
         dist.destroy_process_group()
+    grad_bytes = sum(b for _, b in grads)
+    start, end = [], []
     if kind == "ddp":
         calls = ddp_calls(grad_bytes, n, buffer_bytes)
-        sent = sum(c.sent_bytes for c in calls)
+        sent, unit_calls = sum(c.sent_bytes for c in calls), []
+        start = [c for c in calls if c.op == "broadcast"]
     elif kind.startswith("fsdp2"):
-        calls, sent = comm.calls_list, comm.total()
+        unit_calls = rec.calls
+        calls, sent = [c for _, _, c in unit_calls], sum(c.sent_bytes for _, _, c in unit_calls)
     else:
         calls, sent = list(ledger.records), ledger.sent_bytes()
+        unit_calls = [(r.unit, r.phase, r) for r in ledger.records]
     # A fake group skips what compares ranks: our "used" flags, one byte a parameter
-    # all-reduced at the end of every backward (zero/core/root.py), are added by that rule
-    # (in _row); the agreements (zero/comm/agree.py, a few bytes) are left out
+    # all-reduced at the end of every backward (zero/core/root.py), and the agreement each
+    # forward opens with (zero/comm/agree.py: every rank's 2 int64, all-gathered), are added
+    # by those rules (the flags in _row, extended with the blocks; ZERO_CHECK=1 agrees before
+    # every collective too: not counted, it is a debugging mode)
     flags = sum(len(u.params) for u in zero.units_of(model)) if kind.startswith("zero") else None
+    if flags is not None:
+        start = [Call("agree", 16 * n, 16 * (n - 1), "world", n)]  # (for the time only: the
+        end = [Call("all_reduce", flags, flags * 2 * (n - 1) / n, "world", n)]  # bytes in _row)
+    forward = [op for k, ops in seg.ops.items() if k[0] == "forward" for op in ops]
+    every = [op for ops in seg.ops.values() for op in ops]
     return {"flags": flags, "segments": seg.out, "depth": len(model.block_names), "sent": sent,
-            "by_op": _by_op(calls), "calls": calls,
+            "by_op": _by_op(calls), "calls": unit_calls, "cost_calls": calls,
+            "ops": seg.ops, "block_names": model.block_names, "world_size": n,
+            "exposed_start": start, "exposed_end": end, "grads": grads,
             "host_copies": sum(r.buffer_bytes for r in ledger.records if r.op in ("h2d", "d2h")),
-            "grad_bytes": grad_bytes, "buffer_bytes": buffer_bytes, "flops": fc.get_total_flops() if flops else None}
+            "grad_bytes": grad_bytes, "buffer_bytes": buffer_bytes,
+            "flops": roofline.flops(every), "model_flops": roofline.model_flops(forward)}
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _gradient_pieces(model: Planned) -> list[tuple[tuple, int]]:
+    """Each trained parameter's fp32 gradient bytes and the piece of backward that forms it
+    (``steptime.piece_keys``), in parameter order, for DDP's buckets: a block's in its own
+    backward; the root's before the blocks (embeddings) last, the rest (head) first."""
+    blocks = {f"inner.{b}.": j for j, b in enumerate(model.block_names)}
+    out, seen_block = [], False
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        j = next((j for prefix, j in blocks.items() if name.startswith(prefix)), None)
+        seen_block |= j is not None
+        where = ("backward", j) if j is not None else \
+            ("backward", "head") if seen_block else ("backward", "tail")
+        out.append((where, p.numel() * 4))
+    return out
 
 
 def _by_op(calls) -> dict[str, int]:
@@ -366,8 +410,11 @@ def _extend(a, b, depth: int):
     return b + (b - a) * (depth - SAMPLE[1])
 
 
-def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
-    """One system's figures at ``depth`` blocks from one run (exact) or two (SAMPLE)."""
+def _row(runs: list[dict], kind: str, depth: int, n: int, p, mp: bool = False,
+         scale: float = 1.0) -> dict:
+    """One system's figures at ``depth`` blocks from one run (exact) or two (SAMPLE), on the
+    preset ``p`` (its GPU's roofline scaled by ``scale``)."""
+    cluster = p.cluster
     if len(runs) == 1:
         at = lambda f: f(runs[0])  # noqa: E731
     else:
@@ -384,8 +431,11 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
         "peak_by_category": {c: v for c, v in seg[top]["peak"].items() if c != "Total"},
         "bytes_sent_per_rank_per_step": at(lambda r: r["sent"]),
         "bytes_by_op": at(lambda r: r["by_op"]),
-        "comm_s_by_group": at(lambda r: step_time(r["calls"], cluster)),
-        "flops_per_rank_per_step": at(lambda r: r["flops"]) if runs[0]["flops"] else None,
+        "comm_s_by_group": at(lambda r: step_time(r["cost_calls"], cluster)),
+        "flops_per_rank_per_step": at(lambda r: r["flops"]),
+        "model_flops_per_rank_per_step": at(lambda r: r["model_flops"]),
+        # the step on the GPU: compute by the roofline, collectives overlapped (steptime.py)
+        **at(lambda r: steptime.step_time(r, kind, p, mp, scale)),
     }
     host = max(seg[k]["host"].get("Total", 0) for k in keys)
     if host:  # CPU offload: what the host holds at most, and what crosses PCIe a step
@@ -395,13 +445,16 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, cluster) -> dict:
         cats = {c for k in keys for c in seg[k]["paper"]}
         row["paper_model_state_bytes_per_rank"] = sum(
             max(seg[k]["paper"].get(c, 0) for k in keys) for c in cats)
-    if runs[0]["flags"] is not None:  # our "used" flags (see simulate), from the whole model
+    if runs[0]["flags"] is not None:  # our "used" flags and agreement (see simulate)
         flags = at(lambda r: r["flags"])
-        call = Call("all_reduce", flags, int(flags * 2 * (n - 1) / n), "world", n)
-        row["bytes_sent_per_rank_per_step"] += call.sent_bytes
-        row["bytes_by_op"]["all_reduce"] = row["bytes_by_op"].get("all_reduce", 0) + call.sent_bytes
-        for group, t in step_time([call], cluster).items():
+        calls = [Call("all_reduce", flags, int(flags * 2 * (n - 1) / n), "world", n),
+                 Call("agree", 16 * n, 16 * (n - 1), "world", n)]
+        for call in calls:
+            row["bytes_sent_per_rank_per_step"] += call.sent_bytes
+            row["bytes_by_op"][call.op] = row["bytes_by_op"].get(call.op, 0) + call.sent_bytes
+        for group, t in step_time(calls, cluster).items():
             row["comm_s_by_group"][group] = row["comm_s_by_group"].get(group, 0.0) + t
+        row["agreement_bytes_per_rank_per_step"] = calls[1].sent_bytes
     if kind == "ddp":  # DDP's traffic: its buckets over the whole model's gradients
         grads = at(lambda r: r["grad_bytes"])
         calls = ddp_calls(grads, n, at(lambda r: r["buffer_bytes"]))
@@ -432,6 +485,8 @@ def check(spec: str, n: int, checkpoint: bool, exact: bool, seq: int,
            "blocks": len(model.block_names), "block_list": repeat["list"],
            "alike": repeat["alike"], "block_class": repeat["class"]}
     out["units"] = len(model.units())
+    out["no_cache"] = getattr(getattr(model.inner, "config", None), "use_cache", None) is False
+    out["few_rows"] = _few_rows(model, n)
     # a wrap policy's units need not follow the blocks (a size policy may join or split
     # them, and its choice near the root depends on depth): such a plan runs every block
     out["extend"] = out["alike"] and not exact and not wrap and out["blocks"] > SAMPLE[1]
@@ -457,6 +512,37 @@ def check(spec: str, n: int, checkpoint: bool, exact: bool, seq: int,
     return out
 
 
+def _few_rows(model: nn.Module, n: int) -> list[tuple[str, tuple, int]]:
+    """Parameters with fewer rows (dim 0) than ranks: (name, shape, numel), largest first."""
+    out = [(name, tuple(q.shape), q.numel()) for name, q in model.named_parameters()
+           if q.dim() and q.shape[0] < n]
+    return sorted(out, key=lambda t: -t[2])
+
+
+def warnings_for(info: dict, systems, n: int) -> list[str]:
+    """What the answer hinges on that the table does not show."""
+    out = []
+    rows = info["few_rows"]
+    held = sum(t[2] for t in rows)
+    if any(s.startswith("fsdp2") for s in systems) and held > 0.01 * info["params"]:
+        shapes = {}
+        for name, shape, _ in rows:
+            shapes.setdefault(shape, []).append(name)
+        some = "; ".join(f"{len(names)} of shape {tuple(shape)} ({names[0]}"
+                         f"{', ...' if len(names) > 1 else ''})"
+                         for shape, names in list(shapes.items())[:3])
+        least = min(t[1][0] for t in rows)
+        out.append(f"fsdp2 shards every parameter by rows (dim 0), and {held / info['params']:.0%} "
+                   f"of the parameters are in tensors of fewer rows than the {n} ranks: {some}. "
+                   f"Each such tensor is padded to {n} rows and a rank holds one row of it, so "
+                   f"its share a rank stops falling past {least} ranks and FSDP2's model states "
+                   f"grow with N. The fix: fully_shard(..., shard_placement_fn=lambda p: "
+                   f"Shard(1) if p.shape[0] < {n} else None) (torchtitan shards experts so), "
+                   f"or zero's flat layout (zero.shard, the default), which pads only each unit "
+                   f"to a multiple of N.")
+    return out
+
+
 def plan(args) -> tuple[dict, list[dict]]:
     """What MODEL is, and every system's row, cheapest that fits first."""
     p = preset(args.cluster, args.memory_gb, args.tflops, args.intra_gbs, args.inter_gbs,
@@ -465,22 +551,27 @@ def plan(args) -> tuple[dict, list[dict]]:
     info = check(args.model, args.world_size, args.activation_checkpointing, args.exact,
                  args.seq, args.wrap_policy)
     depths = SAMPLE if info["extend"] else (None,)
-    rows, flops = [], None
+    info["warnings"] = warnings_for(info, args.systems, args.world_size)
+    rows = []
     for kind in args.systems:
         if kind in MULTI_NODE and (args.world_size % gpn or args.world_size // gpn < 2):
-            continue  # one node (or ranks that do not fill nodes): nothing to split over
+            info["warnings"].append(f"{kind} left out: it splits ranks into nodes of {gpn}, and "
+                                    f"{args.world_size} ranks are not 2 or more full nodes")
+            continue
         start = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             runs = [simulate(args.model, kind, args.world_size, args.batch, args.seq,
                              args.mixed_precision, args.activation_checkpointing, gpn,
-                             flops=flops is None, blocks=d, wrap=args.wrap_policy)
+                             blocks=d, wrap=args.wrap_policy)
                     for d in depths]
-        r = _row(runs, kind, info["blocks"], args.world_size, p.cluster)
-        flops = r["flops_per_rank_per_step"] if flops is None else flops
-        compute = flops / (p.tflops(args.mixed_precision) * 1e12)
-        r.update(flops_per_rank_per_step=flops, compute_s=compute,
-                 predicted_step_s=compute + r["comm_s_by_group"]["total"],
+        r = _row(runs, kind, info["blocks"], args.world_size, p, args.mixed_precision,
+                 args.efficiency)
+        tokens = args.batch * args.seq
+        r.update(predicted_step_s=r["step_s"], tokens_per_s_per_gpu=tokens / r["step_s"],
+                 model_flops_per_token=r["model_flops_per_rank_per_step"] / tokens,
+                 mfu=r["model_flops_per_rank_per_step"] / r["step_s"]
+                 / (p.tflops(args.mixed_precision) * 1e12),
                  fits=r["peak_bytes_per_rank"] <= p.memory_bytes,
                  simulated_s=round(time.monotonic() - start, 2))
         rows.append(r)
@@ -499,7 +590,7 @@ def predict(model: str, systems, world_size: int, batch: int, seq: int,
     args = parser.parse_args(["--model", model, "--world-size", str(world_size), "--batch",
                               str(batch), "--seq", str(seq), "--cluster", cluster])
     args.mixed_precision, args.systems = mixed_precision, list(systems)
-    args.wrap_policy, args.activation_checkpointing = wrap, checkpoint
+    args.wrap_policy, args.activation_checkpointing = wrap, checkpoint or None
     return plan(args)[1]
 
 
@@ -513,62 +604,106 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
              "no repeated blocks: one unit, the whole model")
     if getattr(args, "wrap_policy", None):
         units = (f"{info['units']} units by the wrap policy {args.wrap_policy} (the last the root "
-                 f"with the rest)")
+                 f"with the rest; their collectives are not overlapped)")
+    d, ac = p.device, args.activation_checkpointing
+    scale = f", all scaled by --efficiency {args.efficiency:g}" if args.efficiency != 1 else ""
+    cache = " Hugging Face config planned with use_cache off (training)." \
+        if info["no_cache"] else ""
+    precision = (", bf16 compute, fp32 master and reduction (DDP: fp32)" if args.mixed_precision
+                 else ", fp32 (TF32 matmuls)")
     r0 = rows[0]
-    out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}.",
-           f"Batch {args.batch} x seq {args.seq} per rank"
-           f"{', bf16 compute, fp32 master and reduction (DDP: fp32)' if args.mixed_precision else ', fp32'}"
-           f"{', activation checkpointing' if args.activation_checkpointing else ''}; "
-           f"{args.world_size} ranks.",
-           f"Cluster: {p.cluster.name}; {p.memory_bytes / 1e9:g} GB a GPU; "
-           f"{p.tflops(args.mixed_precision):g} TFLOPS rated ({p.source}).",
-           f"Compute: {r0['flops_per_rank_per_step'] / 1e12:.4g} TFLOP a rank a step = "
-           f"{r0['compute_s']:.3g} s at the rated throughput.", "",
+    run_flops = r0["flops_per_rank_per_step"] / (args.batch * args.seq)
+    out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}.{cache}",
+           f"Batch {args.batch} x seq {args.seq} per rank{precision}"
+           f"{f', {ac} activation checkpointing' if ac else ''}; {args.world_size} ranks.",
+           f"Cluster: {p.cluster.name}; {p.memory_bytes / 1e9:g} GB a GPU ({p.source}).",
+           f"GPU time ({d.name}): matmuls at {100 * d.matmul_efficiency:.1f}% of "
+           f"{p.tflops(args.mixed_precision):g} TFLOPS (measured maximum), attention at "
+           f"{100 * d.attention_efficiency:.0f}% (FlashAttention-2, measured), the rest at "
+           f"{d.memory_tbs:g} TB/s (rated){scale}; collectives overlapped as each system "
+           f"schedules them (zerolab/overlap.py).",
+           f"FLOPs a token: {r0['model_flops_per_token'] / 1e9:.4g} G counted as MFU counts them "
+           f"(3 x forward, attention whole), {run_flops / 1e9:.4g} G run (recompute in, causal "
+           f"attention's masked half out).", "",
            "| system | fits | model states GB | peak GB (phase) | sent GB/step | comm s | "
-           "step s (no overlap) |", "|---|---|---|---|---|---|---|"]
+           "exposed s | step s | tokens/s a GPU | MFU |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['system']} | {'yes' if r['fits'] else 'no'} | "
                    f"{r['model_state_bytes_per_rank'] / 1e9:.3f} | "
                    f"{r['peak_bytes_per_rank'] / 1e9:.3f} ({r['peak_phase']}) | "
                    f"{r['bytes_sent_per_rank_per_step'] / 1e9:.3f} | "
-                   f"{r['comm_s_by_group']['total']:.4f} | {r['predicted_step_s']:.4f} |")
+                   f"{r['comm_s']:.4f} | {r['exposed_comm_s']:.4f} | "
+                   f"{r['predicted_step_s']:.4f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                   f"{100 * r['mfu']:.1f}% |")
+    k = r0["compute_s_by_kind"]
+    host = f" + host {k['host']:.4g}" if k["host"] else ""
+    out += ["", f"Compute a step ({r0['system']}): {r0['compute_s']:.4g} s = matmuls "
+                f"{k['matmul']:.4g} + attention {k['attention']:.4g} + memory-bound "
+                f"{k['memory']:.4g}{host} s. "
+                f"Peak GB: what is allocated (live tensors), not what the caching allocator "
+                f"reserves (its cache and fragmentation come on top)."]
     for r in rows:
         if "host_bytes_per_rank" in r:
-            out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB a rank "
+            out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB "
+                       f"a rank "
                        f"(the shards, their gradients, the optimizer state), and "
                        f"{r['host_device_bytes_per_step'] / 1e9:.3f} GB cross between host and "
                        f"device a step (in comm s); the columns are the device's.")
+    out += [f"\nWarning: {w}" for w in info.get("warnings", [])]
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="a Hugging Face config.json (or its folder), torchtitan:NAME:FLAVOR "
-                        "(torchtitan:llama3:8B), or package.module:callable returning an "
-                        "nn.Module")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--cluster", choices=sorted(PRESETS), default="dgx-h100")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="override the preset's")
-    p.add_argument("--memory-gb", type=float, default=None, help="device memory a GPU (GB, 1e9)")
-    p.add_argument("--tflops", type=float, default=None, help="rated TFLOPS a GPU")
-    p.add_argument("--intra-gbs", type=float, default=None, help="GB/s a GPU within a node")
-    p.add_argument("--inter-gbs", type=float, default=None, help="GB/s a GPU across nodes")
-    p.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 master")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block in backward")
+                   help="a Hugging Face config.json (or its folder; needs transformers), "
+                        "torchtitan:NAME:FLAVOR (torchtitan:llama3:8B; needs torchtitan), or "
+                        "package.module:callable returning an nn.Module (required)")
+    p.add_argument("--world-size", type=int, required=True,
+                   help="ranks (GPUs) to plan for (required)")
+    p.add_argument("--cluster", choices=sorted(PRESETS), default="dgx-h100",
+                   help="the GPUs and links (zerolab/clusters.py names each figure's source) "
+                        "(default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="override the preset's (default: the preset's)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="device memory a GPU, GB of 1e9 (default: the preset's)")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="rated dense TFLOPS a GPU (default: the preset's)")
+    p.add_argument("--intra-gbs", type=float, default=None,
+                   help="GB/s a GPU within a node, each way (default: the preset's)")
+    p.add_argument("--inter-gbs", type=float, default=None,
+                   help="GB/s a GPU across nodes, each way (default: the preset's)")
+    p.add_argument("--efficiency", type=float, default=1.0,
+                   help="multiply every achievable compute rate by this: your measured compute "
+                        "time over the plan's (default: %(default)s, the preset's sources)")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="bf16 compute, fp32 master and reduction (default: fp32)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences per rank (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=2048,
+                   help="tokens a sequence (default: %(default)s)")
+    p.add_argument("--activation-checkpointing", nargs="?", const="full", default=None,
+                   choices=("full", "selective"),
+                   help="recompute each block in backward: full, or selective (torchtitan's "
+                        "per-op policy: matmuls and attention kept, every second matmul "
+                        "recomputed) (default: none; the flag alone: full)")
     p.add_argument("--wrap-policy", default=None, metavar="POLICY",
                    help="units by an FSDP1 auto-wrap policy, transformer:Class[,Class] or size:N "
-                        "(runs every block), not the model's repeated blocks")
+                        "(runs every block), not the model's repeated blocks (default: the "
+                        "repeated blocks)")
     p.add_argument("--exact", action="store_true",
-                   help="simulate every block, not 3 and 4 blocks extended")
+                   help="simulate every block, not 3 and 4 blocks extended (default: extended "
+                        "when the blocks are alike)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma list of {SYSTEMS + FAMILY}, or 'all'")
-    p.add_argument("--json", default=None, metavar="FILE", help="one object per system")
+                   help=f"comma list of {SYSTEMS + FAMILY}, or 'all' (default: %(default)s)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="one object per system (default: none)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="model states and peak per system against the device's memory")
-    p.add_argument("--verbose", action="store_true", help="each system's simulation time")
+                   help="model states and peak per system against the device's memory "
+                        "(default: none)")
+    p.add_argument("--verbose", action="store_true",
+                   help="each system's simulation time (default: off)")
 
 
 def run(args, parser: argparse.ArgumentParser) -> None:
@@ -581,6 +716,11 @@ def run(args, parser: argparse.ArgumentParser) -> None:
                     ("--seq", args.seq), ("--gpus-per-node", args.gpus_per_node or 1)):
         if v < 1:
             parser.error(f"{name} must be >= 1, got {v}")
+    for name, v in (("--efficiency", args.efficiency), ("--memory-gb", args.memory_gb),
+                    ("--tflops", args.tflops), ("--intra-gbs", args.intra_gbs),
+                    ("--inter-gbs", args.inter_gbs)):
+        if v is not None and not 0 < v < float("inf"):
+            parser.error(f"{name} must be a positive number, got {v}")
     try:
         info, rows = plan(args)
     except PlanError as e:
@@ -612,7 +752,7 @@ def plot(rows: list[dict], args, path: str) -> None:
     ax.set_xticks(list(x), [f"{r['system']}\n{r['predicted_step_s']:.3g} s" for r in rows],
                   fontsize=8)
     ax.set_ylabel("GB per rank")
-    ax.set_title(f"{args.model}, {args.world_size} ranks (step time: no overlap)", fontsize=9)
+    ax.set_title(f"{args.model}, {args.world_size} ranks (step time: overlapped)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -46,20 +46,24 @@ class Planned(nn.Module):
     square of the output, which exercises the same backward.
     """
 
-    def __init__(self, inner: nn.Module, vocab: int, checkpoint: bool = False,
+    def __init__(self, inner: nn.Module, vocab: int, checkpoint: bool | str = False,
                  wrap: str | None = None):
         super().__init__()
         self.inner, self.vocab = inner, vocab
         self.block_names = repeated_blocks(inner)
         self.wrap, self.policy = wrap, wrap_policy(inner, wrap) if wrap else None
+        config = getattr(inner, "config", None)
+        # an encoder-decoder (T5, BART) reads the token ids on both sides: the decoder's
+        # input is the same sequence (teacher forcing), the loss its next tokens
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         if checkpoint:  # activation checkpointing: each block recomputed in backward
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                checkpoint_wrapper)
+            from zerolab.checkpointing import checkpointed
 
+            mode = "full" if checkpoint is True else checkpoint
             for name in self.block_names:
                 parent, _, child = name.rpartition(".")
                 holder = inner.get_submodule(parent) if parent else inner
-                setattr(holder, child, checkpoint_wrapper(holder.get_submodule(child)))
+                setattr(holder, child, checkpointed(holder.get_submodule(child), mode))
 
     def max_positions(self) -> int | None:
         """The longest sequence the model embeds positions for, where it says (else None)."""
@@ -70,7 +74,7 @@ class Planned(nn.Module):
         return None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        out = self.inner(idx)
+        out = self.inner(idx, decoder_input_ids=idx) if self.encoder_decoder else self.inner(idx)
         if torch.is_tensor(out):
             return out
         for key in ("logits", "last_hidden_state"):  # HF ModelOutput
@@ -161,24 +165,35 @@ def repeated_blocks(model: nn.Module) -> list[str]:
 
 @contextlib.contextmanager
 def fake_safe():
-    """transformers' Mixture-of-Experts layers multiply by torch's grouped matmul, whose fake
-    (meta) kernel takes bf16 only, and otherwise by a loop over the experts that reads the
-    routing's values (impossible on fake tensors). Here, for other dtypes, they take
-    transformers' own fallback operator, which has a fake kernel of the same output shapes."""
+    """Where transformers would read a fake tensor's values, tell it what they are.
+
+    - Its Mixture-of-Experts layers multiply by torch's grouped matmul, whose fake (meta)
+      kernel takes bf16 only, and otherwise by a loop over the experts that reads the
+      routing's values (impossible on fake tensors). Here, for other dtypes, they take
+      transformers' own fallback operator, which has a fake kernel of the same output shapes.
+    - Without a key-value cache (training), it looks for several sequences packed into one
+      row by reading the position ids; on a fake tensor it cannot, assumes they may be
+      packed, and builds an explicit attention mask, which sends attention down another
+      kernel (a mask instead of ``is_causal``, keys and values repeated for grouped-query
+      attention). The plan's rows are one sequence each, as the real run would find.
+    """
     try:
+        from transformers import masking_utils
         from transformers.integrations import moe
     except ImportError:
         yield
         return
-    can = moe._can_use_grouped_mm
+    can, packed = moe._can_use_grouped_mm, masking_utils.find_packed_sequence_indices
     moe._can_use_grouped_mm = lambda x, w, offs: w.dtype == torch.bfloat16 and can(x, w, offs)
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         moe._can_use_grouped_mm = can
+        masking_utils.find_packed_sequence_indices = packed
 
 
-def build(spec: str, checkpoint: bool = False, seq: int | None = None,
+def build(spec: str, checkpoint: bool | str = False, seq: int | None = None,
           wrap: str | None = None) -> Planned:
     """Build MODEL (see the module docstring) on the current device, for sequences of ``seq``
     tokens where the model sizes a table by them, its units those of the wrap policy ``wrap``
@@ -239,9 +254,14 @@ def _hf(path: str):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PlanError(f"--model {path}: not a readable JSON config ({e}); pass a Hugging Face "
                         f"config.json (the file next to a model's weights)") from None
+    except RecursionError:  # json's parser recurses once a level of nesting
+        raise PlanError(f"--model {path}: not a readable JSON config (nested deeper than Python "
+                        f"can parse); pass a Hugging Face config.json (the file next to a "
+                        f"model's weights)") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise PlanError(f"--model {path}: a JSON file without \"model_type\" is not a Hugging "
                         f"Face model config; pass the model's config.json")
+    _bounded(path, raw)
     try:
         import transformers
     except ImportError:
@@ -252,6 +272,11 @@ def _hf(path: str):
     except Exception as e:  # noqa: BLE001 (transformers' validation raises many kinds)
         raise PlanError(f"--model {path}: transformers {transformers.__version__} cannot read "
                         f"this config ({e}); check model_type, or upgrade transformers") from None
+    # Training, not generation: no key-value cache. Left on, a model keeps every layer's keys
+    # and values in it through backward (Llama-2-70B: 161 GB planned with it, 57 without)
+    for c in {id(c): c for c in (config, config.get_text_config())}.values():
+        if hasattr(c, "use_cache"):
+            c.use_cache = False
     classes = [getattr(transformers, a, None) for a in raw.get("architectures") or []]
     classes += [transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM,
                 transformers.AutoModel]
@@ -265,6 +290,26 @@ def _hf(path: str):
     raise PlanError(f"--model {path}: transformers {transformers.__version__} could not build a "
                     f"model from it ({type(last).__name__}: {last}); check the config's fields "
                     f"against the model's documentation")
+
+
+# What a config may ask the plan to build: a layer costs milliseconds to build even on the
+# meta device, so a million of them would run for minutes before the simulation's own bound
+# (``zerolab.plan.MAX_MODULES``) could refuse them. The deepest published models have ~130.
+MAX_LAYERS = 1024
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "num_decoder_layers",
+              "encoder_layers", "decoder_layers")
+
+
+def _bounded(path: str, raw: dict) -> None:
+    """Refuse a config whose layer count is beyond MAX_LAYERS, before anything is built."""
+    configs = [raw, *(v for v in raw.values() if isinstance(v, dict))]  # text_config, ...
+    for c in configs:
+        for key in LAYER_KEYS:
+            v = c.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_LAYERS:
+                raise PlanError(f"--model {path}: {key} = {v:,} is beyond the plan's bound of "
+                                f"{MAX_LAYERS:,} layers (building them alone would take "
+                                f"minutes); plan the model with fewer layers and scale by hand")
 
 
 def _titan(spec: str, seq: int | None):
@@ -327,11 +372,17 @@ def _callable(spec: str):
         raise PlanError(f"--model {spec}: cannot import it ({e}); write package.module:callable "
                         f"with the module on PYTHONPATH, the callable returning an nn.Module "
                         f"that takes token ids (batch, seq)") from None
+    except SystemExit as e:  # the user's module ended the process: say so, do not end quietly
+        raise PlanError(f"--model {spec}: importing it called sys.exit({e.code!r}); the module "
+                        f"must define the callable without exiting") from None
     try:
         model = fn()
     except Exception as e:  # the user's code: whatever it raised, say where
         raise PlanError(f"--model {spec}: calling it raised {type(e).__name__}: {e}; it must "
                         f"build the model with no arguments") from None
+    except SystemExit as e:
+        raise PlanError(f"--model {spec}: calling it called sys.exit({e.code!r}); it must return "
+                        f"the model, not exit") from None
     if not isinstance(model, nn.Module):
         raise PlanError(f"--model {spec}: it returned {type(model).__name__}, not an "
                         f"nn.Module; return the model itself")
