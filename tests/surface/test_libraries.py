@@ -415,3 +415,55 @@ def test_lightning_trainer_model_parallel_strategy_trains_and_resumes_as_on_fsdp
     for phase in ("train", "resume"):
         assert (runs["zero", phase][0]["by"], runs["torch", phase][0]["by"]) == ("zero", "torch")
         _same([r["params"] for r in runs["zero", phase]], [r["params"] for r in runs["torch", phase]])
+
+
+# ---- transformers: from_pretrained(distributed_config=...) shards while it loads ---------------
+
+
+def _from_pretrained(rank, n, which, path):
+    import transformers.distributed.fsdp as hf_fsdp
+
+    _env(rank, n)
+    _substitute(which, hf_fsdp)  # transformers imports fully_shard at module level there
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    # On meta, fully_shard by the model's FSDP plan, then each weight set with setattr as a
+    # DTensor of this rank's rows (transformers' core_model_loading).
+    model = LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=n))
+    loaded = _full(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(2):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(10 * s + rank))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"by": _by(model), "class": type(model).__name__, "loaded": loaded,
+            "losses": losses, "params": _full(model)}
+
+
+def test_transformers_from_pretrained_with_distributed_config_as_on_fsdp2(tmp_path):
+    """``from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))``: the model
+    is sharded on the meta device by its FSDP plan, then loaded weight by weight (``setattr``
+    of DTensors, which zero adopts); the loaded values and two training steps bitwise FSDP2's."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers.distributed.fsdp  # noqa: F401  (here, once: the ranks fork with it imported)
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                         max_position_embeddings=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    runs = {w: run_ranks(_from_pretrained, 2, w, str(tmp_path / "llama"), timeout=120)
+            for w in ("zero", "torch")}
+    assert [r["by"] for r in runs["zero"]] == ["zero", "zero"]
+    assert runs["zero"][0]["class"] == runs["torch"][0]["class"] == "FSDPLlamaForCausalLM"
+    for key in ("loaded", "params"):
+        _same([r[key] for r in runs["zero"]], [r[key] for r in runs["torch"]])
+    for ours, theirs in zip(runs["zero"], runs["torch"]):
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))

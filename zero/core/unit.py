@@ -184,6 +184,9 @@ class Unit:
             adopted = True
         if adopted:
             self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
+            # Sharded from meta and every parameter now replaced (transformers' loading):
+            # the shard holds values.
+            self.materialized = self.materialized or not any(p.is_meta for p in self.params)
 
     def params_on_meta(self) -> None:
         """Show the sharded parameters on the meta device, as FSDP2 does for a module it
