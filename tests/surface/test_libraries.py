@@ -232,13 +232,16 @@ def test_hf_trainer_with_fsdp2_trains_and_resumes_as_on_fsdp2(extra, tmp_path):
 # ---- Lightning Fabric: ModelParallelStrategy, the model built on meta --------------------------
 
 
-def _fabric(rank, n, which, ckpt, phase):
+def _fabric(rank, n, which, ckpt, phase, layout="rows"):
+    import functools
+
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     _env(rank, n)
-    shard = zero.fully_shard if which == "zero" else torch_fully_shard
+    shard = functools.partial(zero.fully_shard, layout=layout) if which == "zero" else \
+        torch_fully_shard
 
     def parallelize(model, mesh):  # the user's code: Lightning never calls fully_shard itself
         for block in model.blocks:
@@ -284,6 +287,32 @@ def test_lightning_fabric_model_parallel_strategy_trains_and_resumes_as_on_fsdp2
               [r["params"] for r in runs[which, "train"]])
     for phase in ("train", "resume"):
         _same([r["params"] for r in runs["zero", phase]], [r["params"] for r in runs["torch", phase]])
+
+
+def _fabric_flat(rank, n):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            _fabric(rank, n, "zero", None, "train", layout="flat")
+            error = "trained"
+        except ValueError as e:
+            error = str(e)
+    return [str(w.message) for w in seen], error
+
+
+def test_lightning_fabric_meta_init_with_the_flat_layout_is_refused_naming_rows():
+    """With ``layout="flat"`` the parameters are 1-D pieces: Fabric's materialisation
+    (``to_empty``, then each module's ``reset_parameters``, whose fan-in needs the full shape)
+    cannot initialise them, and Fabric's checkpointing looks for DTensor parameters. Sharding
+    warns, naming ``layout="rows"``; ``to_empty`` refuses, naming it too."""
+    pytest.importorskip("lightning")
+    import lightning.fabric  # noqa: F401  (here, once: the ranks fork with it imported)
+
+    for warned, error in run_ranks(_fabric_flat, 2, timeout=120):
+        assert any("layout='rows'" in w and "Lightning" in w for w in warned)
+        assert "reset_parameters" in error and "layout='rows'" in error
 
 
 # ---- torchtune: a recipe's setup and step ------------------------------------------------------

@@ -89,12 +89,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         # clip_grad_norm_, which computes a norm of what it is given: with rows that is
         # DTensors, whose norm is global; with the other layouts it is this rank's share, and
         # each rank would clip by its own factor, silently.
+        # Lightning's ModelParallelStrategy also decides whether a model can be saved by
+        # looking for DTensor parameters, before it calls anything of zero's.
         warnings.warn(
             f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
             "clips each rank by the norm of its own share of the gradients (each rank a "
-            "different factor): clip with zero.clip_grad_norm_(model, max_norm), or keep "
-            "layout='rows', FSDP2's, whose DTensor gradients torch's clipping reads whole",
-            stacklevel=2)
+            "different factor): clip with zero.clip_grad_norm_(model, max_norm); and clients "
+            "that look for DTensor parameters (Lightning's ModelParallelStrategy: its "
+            "checkpoints and its meta-device init) do not find them. Keep layout='rows', "
+            "FSDP2's, whose DTensor parameters and gradients they read whole", stacklevel=2)
     if mp_policy is not None:
         mp_policy = MixedPrecision.from_torch(mp_policy)
         if mp_policy == MixedPrecision():
@@ -231,6 +234,15 @@ class ZeroFSDPModule(FSDPModule):
                 f"to_empty(device={device}) but the shards of this model live on {where}: "
                 "shard it for that device (zero.fully_shard(..., device=...)), or initialise "
                 "from the meta device with zero.init_parameters(model, init_fn)")
+        pieces = [u for u in units if not u.materialized and not u.layout.exposes_dtensors]
+        if pieces:
+            raise ValueError(
+                f"to_empty() after zero.fully_shard(layout={pieces[0].layout.name!r}) on the "
+                "meta device: the parameters it shows are this rank's pieces, which a module's "
+                "own initialisation (reset_parameters, as Lightning's empty_init calls it) "
+                "cannot fill: its fan-in needs the full shape. Use layout='rows' (FSDP2's, "
+                "fully_shard's default: DTensors of the full shape), or fill the shards with "
+                "zero.init_parameters(model, init_fn) instead of to_empty()")
         for m in self.modules():
             for name, t in list(m._buffers.items()):
                 if t is not None and t.is_meta:
