@@ -91,6 +91,8 @@ class Comm(Protocol):
                    phase: str, async_op: bool = False) -> Any: ...
     def broadcast(self, tensor: torch.Tensor, *, src: int, group, unit: str, phase: str,
                   async_op: bool = False) -> Any: ...
+    def launch(self, op: str, buffer: torch.Tensor, start, *, group, unit: str, phase: str,
+               async_op: bool = False) -> Any: ...  # start() issues it (a custom object)
 
 
 class UnitView(Protocol):
