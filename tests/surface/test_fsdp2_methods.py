@@ -113,6 +113,23 @@ def _unshard(fs, rank, n):
     return {"eval 0": evals[0], "eval 1": evals[1], **_train(model, rank, 2)}, None
 
 
+def _optimizer_after_eval(rank, n):
+    """An evaluation forward (no_grad), then the optimizer made, then a step: which of the
+    root's parameters (the embeddings, the final norm) did the step change, on FSDP2 and on
+    zero? FSDP2's root keeps its parameters gathered after a forward, registered in the
+    module, so ``model.parameters()`` hands the optimizer those, not the shards."""
+    changed = {}
+    for name, fs in zip(("fsdp2", "zero"), BOTH):
+        model = _build(fs, n)
+        x, _ = model.batch(2, _gen(rank))
+        with torch.no_grad():
+            model(x)
+        before = {k: _whole(model.get_parameter(k)) for k in ("pos_emb.weight", "ln_f.bias")}
+        after = _train(model, rank)
+        changed[name] = [k for k in before if not torch.equal(before[k], after[k])]
+    return changed
+
+
 def _reshard_after(fs, rank, n):
     """The last block kept between forward and backward, every unit kept across two
     micro-batches, then freed again."""
@@ -582,6 +599,14 @@ def test_a_sample_of_the_methods_in_one_launch_as_on_fsdp2():
 @pytest.mark.full
 def test_unshard_and_reshard_as_on_fsdp2():
     _bitwise(2, "unshard")
+
+
+@pytest.mark.full
+def test_an_optimizer_made_after_an_eval_forward_steps_the_shards_unlike_fsdp2s():
+    """FSDP2 hands such an optimizer the root's gathered parameters, and its step never
+    reaches the shards, silently (notes/11). If FSDP2 changes, so must the chapter."""
+    changed = run_ranks(_optimizer_after_eval, 2)[0]
+    assert changed == {"fsdp2": [], "zero": ["pos_emb.weight", "ln_f.bias"]}
 
 
 @pytest.mark.full
