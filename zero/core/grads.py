@@ -20,7 +20,7 @@ it into an fp32 buffer ourselves, as FSDP2 does.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -98,7 +98,7 @@ class Gradient:
         self.divide_factor: float | None = None  # FSDP2's set_gradient_divide_factor
         self.force_sum = False  # FSDP2's set_force_sum_reduction_for_comms
         self.requires_all_reduce = True  # FSDP2's: False skips HSDP's (the note below)
-        self.all_reduce_hook: tuple | None = None  # FSDP2's set_all_reduce_hook: (fn, stream)
+        self.all_reduce_hook: tuple[Callable, Any] | None = None  # FSDP2's: (hook, stream)
         self.reduce_unused = False  # FSDP2's set_reduce_scatter_unused_params
         self.max_in_flight = 1  # FSDP2's set_reduce_scatter_max_input_buffers (reductions.py)
         self.partial: torch.Tensor | None = None  # HSDP: reduced, not yet over the replicas
@@ -193,7 +193,7 @@ class Gradient:
             self.partial = None
         self.mesh.reduce_replicas(shard, d.replicas_op, self.config.comm, self.name, ctx)  # HSDP
         if self.all_reduce_hook is not None:
-            self._run_all_reduce_hook(shard, ctx)
+            self._run_all_reduce_hook(*self.all_reduce_hook, shard, ctx)
         if d.post is not None and d.post != 1:
             shard.div_(d.post)
         if self.reduced is None:
@@ -213,10 +213,9 @@ class Gradient:
         return not self.requires_all_reduce and getattr(self.mesh, "replicate_group",
                                                         None) is not None
 
-    def _run_all_reduce_hook(self, shard: torch.Tensor, ctx) -> None:
+    def _run_all_reduce_hook(self, hook, stream, shard: torch.Tensor, ctx) -> None:
         """FSDP2's all-reduce hook: on the reduced shard (after HSDP's all-reduce, before the
         division after the sum), on the stream given or the all-reduce stream."""
-        hook, stream = self.all_reduce_hook
         streams = ctx.streams(shard.device)
         stream = stream if stream is not None else streams.all_reduce
         with streams.use(stream):

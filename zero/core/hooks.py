@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from types import FrameType
 from typing import Any
 
 import torch
@@ -189,7 +190,7 @@ def in_forward_method(unit) -> bool:
     frame = unit.iteration.method
     if frame is None:
         return False
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None and f is not frame:
         f = f.f_back
     if f is None:

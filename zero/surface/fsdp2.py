@@ -132,7 +132,7 @@ def _fsdp_class(cls: type) -> type:
     made = cls.__dict__.get("_zero_fsdp_class")
     if made is None:
         made = type(f"FSDP{cls.__name__}", (ZeroFSDPModule, cls), {})
-        cls._zero_fsdp_class = made
+        setattr(cls, "_zero_fsdp_class", made)
     return made
 
 

@@ -22,7 +22,7 @@ against torch's class and runs each beside FSDP2), grouped by what it concerns:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -48,18 +48,24 @@ class ZeroFSDPModule(FSDPModule):
 
     _orig_cls_mro_index = 3  # [FSDP<Class>, ZeroFSDPModule, FSDPModule, Class, ...]
 
+    @property
+    def _module(self) -> nn.Module:
+        """This object as the module it is (``FSDP<Class>``'s other base is the module's
+        class; ``FSDPModule`` is not an ``nn.Module`` to a type checker)."""
+        return cast(nn.Module, self)
+
     def _units(self, recurse: bool = False) -> list:
-        return registry.units_of(self) if recurse else registry.units_on(self)
+        return registry.units_of(self._module) if recurse else registry.units_on(self._module)
 
     # ---- gathering -------------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False):
         """Gather this module's parameters (not the units below, as FSDP2), and keep them
         gathered until ``reshard()`` (``zero.unshard``)."""
-        return controls.unshard(self, async_op=async_op)
+        return controls.unshard(self._module, async_op=async_op)
 
     def reshard(self) -> None:
-        controls.reshard(self)
+        controls.reshard(self._module)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Stage 3's knob. At stages 1 and 2 the parameters stay gathered (``not_freed``);
@@ -80,7 +86,7 @@ class ZeroFSDPModule(FSDPModule):
         if reshard_after_backward and any(not u.config.stage.frees_parameters
                                           for u in self._units(recurse)):
             not_freed("set_reshard_after_backward(True)")
-        controls.set_reshard_after_backward(self, reshard_after_backward, recurse=recurse)
+        controls.set_reshard_after_backward(self._module, reshard_after_backward, recurse=recurse)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward needs none of this module's parameters (an embedding's gradient
@@ -89,10 +95,10 @@ class ZeroFSDPModule(FSDPModule):
             unit.controls.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
-        controls.set_modules_to_forward_prefetch(self, modules)
+        controls.set_modules_to_forward_prefetch(self._module, modules)
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
-        controls.set_modules_to_backward_prefetch(self, modules)
+        controls.set_modules_to_backward_prefetch(self._module, modules)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gathers must follow the optimizer step: zero's collectives are issued
@@ -104,7 +110,7 @@ class ZeroFSDPModule(FSDPModule):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
         """``no_sync`` without a context; under HSDP it governs the all-reduce too (FSDP2's)."""
-        controls.set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse)
+        controls.set_requires_gradient_sync(self._module, requires_gradient_sync, recurse=recurse)
         for unit in self._units(recurse):
             unit.grads.requires_all_reduce = requires_gradient_sync
 
@@ -193,14 +199,14 @@ class ZeroFSDPModule(FSDPModule):
                                  "its buffers itself (its allocate()); choose one of the two")
             policy.from_group = enable
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """The all-gather's buffers in NCCL's symmetric memory, through torch's own objects
         (and the reduce-scatter's, with only sums on the wire, as FSDP2)."""
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
             SymmMemAllGather, SymmMemReduceScatter)
 
         for unit in self._units():
-            group = unit.mesh.group if unit.mesh.group is not None else dist.group.WORLD
+            group = cast(dist.ProcessGroup, unit.mesh.group or dist.group.WORLD)
             if dist.get_backend(group) != "nccl":
                 raise ValueError(
                     f"set_symm_mem_for_comm({backend!r}): symmetric memory is NCCL's, on CUDA; "
@@ -245,14 +251,14 @@ class ZeroFSDPModule(FSDPModule):
     def _get_fsdp_state(self):
         """What ``register_fsdp_forward_method`` and ``share_comm_ctx`` read
         (``zero/surface/fsdp2_state.py``)."""
-        return FSDPStateView(self)
+        return FSDPStateView(self._module)
 
     def to_empty(self, *, device, recurse: bool = True):
         """After ``fully_shard`` on the meta device: the shards already live on their device;
         give the rest (buffers, ignored parameters) memory there, uninitialised, as
         ``nn.Module.to_empty`` does, and leave the values to the model's own init."""
         device = torch.device(device)
-        units = registry.units_of(self)
+        units = registry.units_of(self._module)
         where = units[0].sharded.device
         if device.type != where.type or (device.type != "cpu" and device.index is not None
                                          and device.index != where.index):
@@ -269,7 +275,7 @@ class ZeroFSDPModule(FSDPModule):
                 "cannot fill: its fan-in needs the full shape. Use layout='rows' (FSDP2's, "
                 "fully_shard's default: DTensors of the full shape), or fill the shards with "
                 "zero.init_parameters(model, init_fn) instead of to_empty()")
-        for m in self.modules():
+        for m in self._module.modules():
             for name, t in list(m._buffers.items()):
                 if t is not None and t.is_meta:
                     m._buffers[name] = torch.empty_like(t, device=device)
@@ -285,7 +291,7 @@ class ZeroFSDPModule(FSDPModule):
     def _apply(self, fn, *args: Any, **kwargs: Any):
         # ``model.to(the device it is on)`` (Lightning's setup) changes nothing: every tensor
         # converts to itself. Anything else would swap the shards' data for copies.
-        tensors = [*self.parameters(), *self.buffers()]
+        tensors = [*self._module.parameters(), *self._module.buffers()]
         if all(fn(t) is t for t in tensors):
             return self
         raise RuntimeError(
