@@ -261,13 +261,15 @@ def _unused_params(fs, rank, n):
     model.set_reduce_scatter_unused_params(True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
-    for s in range(2):
-        x = torch.randn(4, 8, generator=_gen(10 * s + rank))
-        model(x, (rank,)).square().mean().backward()
-        out.update({f"{k} {s}": v for k, v in _grads(model).items()})
-        opt.step()
-        opt.zero_grad()
-    return {**out, **_full(model)}, sorted(k for k in out if "experts.2" in k)
+    with zero.Ledger() as ledger:
+        for s in range(2):
+            x = torch.randn(4, 8, generator=_gen(10 * s + rank))
+            model(x, (rank,)).square().mean().backward()
+            out.update({f"{k} {s}": v for k, v in _grads(model).items()})
+            opt.step()
+            opt.zero_grad()
+    return {**out, **_full(model)}, (sorted(k for k in out if "experts.2" in k),
+                                     ledger.count("reduce_scatter"))
 
 
 def _is_last_backward(fs, rank, n):
@@ -551,7 +553,9 @@ def _every_custom_call_in_the_ledger(shown):
 
 
 def _unused_expert_gets_zeros(shown):
-    assert len(shown) == 4  # expert 2's weight and bias got (zero) gradients at both steps
+    unused, reductions = shown
+    assert len(unused) == 4  # expert 2's weight and bias got (zero) gradients at both steps
+    assert reductions == 4  # each unit once a backward, as FSDP2
 
 
 def _settings_seen(setting):

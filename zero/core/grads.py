@@ -226,7 +226,8 @@ class Gradient:
         """FSDP2's set_reduce_scatter_unused_params: a unit that got no gradient in this
         backward reduce-scatters zeros, so that every rank reduces alike and every parameter
         gets a gradient (zeros where no rank used it)."""
-        if self.reduce_unused and self.leaf.requires_grad and not self.has_unsynced():
+        reduced = self.has_unsynced() or self.reduction is not None or self.reduced is not None
+        if self.reduce_unused and self.leaf.requires_grad and not reduced:
             self.leaf.grad = torch.zeros(self.leaf.shape, dtype=self.leaf.dtype,
                                          device=self.leaf.device)
 
