@@ -67,7 +67,7 @@ class CustomCollectives:
         """A (size,) buffer of ``like``'s dtype and device where ``comm`` (or the group) says."""
         if comm is not None and hasattr(comm, "allocate"):
             return comm.allocate((size,), dtype=like.dtype, device=like.device)
-        if self.from_group and group is not None:
+        if self.from_group:
             backend = group._get_backend(like.device)
             if backend.supports_tensor_alloc(like.device):
                 return backend.allocate_tensor(size, dtype=like.dtype, device=like.device)
@@ -81,6 +81,7 @@ class CustomCollectives:
         if (comm is None and not self.from_group) or ctx.alone(group):
             return _OWN.all_gather(full, shard, slot, in_place=in_place, group=group, unit=unit,
                                    phase=phase, ctx=ctx)
+        group = group if group is not None else ctx.backend.world()  # (FSDP2 passes a group)
         wire = self._buffer(comm, full.numel(), full, group)
         mine = wire[slot]
         mine.copy_(shard)  # (a cast to the compute dtype, as zero's own does it)
@@ -101,6 +102,7 @@ class CustomCollectives:
         if (comm is None and not self.from_group) or ctx.alone(group):
             return _OWN.reduce_scatter(grad, slot, op=op, group=group, unit=unit, phase=phase,
                                        ctx=ctx)
+        group = group if group is not None else ctx.backend.world()
         wire = self._buffer(comm, grad.numel(), grad, group)
         wire.copy_(grad)
         out = self._buffer(comm, slot.stop - slot.start, grad, group)
