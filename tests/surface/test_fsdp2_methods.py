@@ -454,6 +454,31 @@ def _reshard_to_checks(rank, n):
     return out
 
 
+def _groups_of_k(rank, n):
+    """On 16 simulated ranks (the fake process group), the group each rank backward gathers
+    from: zero's (``_post_forward_group``) and FSDP2's post-forward mesh, for k = 8 on a 1-D
+    mesh and k = 4 on a (2, 8) HSDP mesh."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zero.surface.fsdp2 import _post_forward_group
+
+    dist.destroy_process_group()  # (this forked rank's own gloo group: it simulates 16 now)
+    out = []
+    for r in (3, 11):
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=16)
+        for shape, k in (((16,), 8), ((2, 8), 4)):
+            names = ("replicate", "shard") if len(shape) == 2 else None
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            ours = dist.get_process_group_ranks(_post_forward_group(k, mesh)[1])
+            info = _get_post_forward_mesh_info(k, FSDPMeshInfo(mesh, shard_mesh_dim=len(shape) - 1))
+            theirs = [row for row in info.mesh.mesh.tolist() if r in row][0]
+            out.append((r, shape, k, ours, theirs))
+        dist.destroy_process_group()
+    return out
+
+
 class Scored(GPT):
     """A model with methods besides ``forward``, calling its own layers."""
 
@@ -695,6 +720,14 @@ def test_reshard_after_forward_to_a_smaller_group_as_on_fsdp2():
     assert ("backward", "intra-node", 2) in shown and ("forward", "world", 4) in shown
 
 
+def test_reshard_after_forward_int_groups_the_ranks_as_fsdp2_does():
+    """8 on 16 ranks: {0..7} and {8..15}; 4 on a (2, 8) mesh: runs of 4 within each row."""
+    seen = run_ranks(_groups_of_k, 1)[0]
+    assert all(ours == theirs for _, _, _, ours, theirs in seen), seen
+    assert [ours for *_, ours, _ in seen] == [list(range(0, 8)), [0, 1, 2, 3],
+                                              list(range(8, 16)), [8, 9, 10, 11]]
+
+
 def test_reshard_after_forward_int_is_checked_as_by_fsdp2():
     out = run_ranks(_reshard_to_checks, 2)[0]
     assert "factor of 2" in out["torch"] and "factor of 2" in out["zero"]
@@ -765,7 +798,8 @@ COVERED = {
     # fully_shard's arguments
     "module": (FILE, "test_fully_shard_arguments_as_on_fsdp2"),
     "mesh": ("test_fully_shard.py", "test_hsdp_on_a_2d_mesh_is_fsdp2s"),
-    "reshard_after_forward": (FILE, "test_reshard_after_forward_to_a_smaller_group_as_on_fsdp2"),
+    "reshard_after_forward": (
+        FILE, "test_reshard_after_forward_int_groups_the_ranks_as_fsdp2_does"),
     # (Shard(0) and the refusal of other dims here; the tensor-parallel work brings its own)
     "shard_placement_fn": ("test_fully_shard.py", "test_what_is_not_supported_is_refused_by_name"),
     "mp_policy": (FILE, "test_custom_all_gather_and_reduce_scatter_objects_as_on_fsdp2"),

@@ -459,7 +459,8 @@ def _from_pretrained(rank, n, which, path):
 
     # On meta, fully_shard by the model's FSDP plan, then each weight set with setattr as a
     # DTensor of this rank's rows (transformers' core_model_loading).
-    model = LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=n))
+    config = DistributedConfig(fsdp_size=n)
+    model = LlamaForCausalLM.from_pretrained(path, distributed_config=config)
     loaded = _full(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -481,7 +482,7 @@ def test_transformers_from_pretrained_with_distributed_config_as_on_fsdp2(tmp_pa
     of DTensors, which zero adopts); the loaded values and two training steps bitwise FSDP2's."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
-    import transformers.distributed.fsdp  # noqa: F401  (here, once: the ranks fork with it imported)
+    import transformers.distributed.fsdp  # noqa: F401  (here, once: the ranks fork with it)
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
