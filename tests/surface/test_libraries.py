@@ -232,13 +232,16 @@ def test_hf_trainer_with_fsdp2_trains_and_resumes_as_on_fsdp2(extra, tmp_path):
 # ---- Lightning Fabric: ModelParallelStrategy, the model built on meta --------------------------
 
 
-def _fabric(rank, n, which, ckpt, phase):
+def _fabric(rank, n, which, ckpt, phase, layout="rows"):
+    import functools
+
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     _env(rank, n)
-    shard = zero.fully_shard if which == "zero" else torch_fully_shard
+    shard = functools.partial(zero.fully_shard, layout=layout) if which == "zero" else \
+        torch_fully_shard
 
     def parallelize(model, mesh):  # the user's code: Lightning never calls fully_shard itself
         for block in model.blocks:
@@ -284,6 +287,32 @@ def test_lightning_fabric_model_parallel_strategy_trains_and_resumes_as_on_fsdp2
               [r["params"] for r in runs[which, "train"]])
     for phase in ("train", "resume"):
         _same([r["params"] for r in runs["zero", phase]], [r["params"] for r in runs["torch", phase]])
+
+
+def _fabric_flat(rank, n):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            _fabric(rank, n, "zero", None, "train", layout="flat")
+            error = "trained"
+        except ValueError as e:
+            error = str(e)
+    return [str(w.message) for w in seen], error
+
+
+def test_lightning_fabric_meta_init_with_the_flat_layout_is_refused_naming_rows():
+    """With ``layout="flat"`` the parameters are 1-D pieces: Fabric's materialisation
+    (``to_empty``, then each module's ``reset_parameters``, whose fan-in needs the full shape)
+    cannot initialise them, and Fabric's checkpointing looks for DTensor parameters. Sharding
+    warns, naming ``layout="rows"``; ``to_empty`` refuses, naming it too."""
+    pytest.importorskip("lightning")
+    import lightning.fabric  # noqa: F401  (here, once: the ranks fork with it imported)
+
+    for warned, error in run_ranks(_fabric_flat, 2, timeout=120):
+        assert any("layout='rows'" in w and "Lightning" in w for w in warned)
+        assert "reset_parameters" in error and "layout='rows'" in error
 
 
 # ---- torchtune: a recipe's setup and step ------------------------------------------------------
@@ -415,3 +444,56 @@ def test_lightning_trainer_model_parallel_strategy_trains_and_resumes_as_on_fsdp
     for phase in ("train", "resume"):
         assert (runs["zero", phase][0]["by"], runs["torch", phase][0]["by"]) == ("zero", "torch")
         _same([r["params"] for r in runs["zero", phase]], [r["params"] for r in runs["torch", phase]])
+
+
+# ---- transformers: from_pretrained(distributed_config=...) shards while it loads ---------------
+
+
+def _from_pretrained(rank, n, which, path):
+    import transformers.distributed.fsdp as hf_fsdp
+
+    _env(rank, n)
+    _substitute(which, hf_fsdp)  # transformers imports fully_shard at module level there
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    # On meta, fully_shard by the model's FSDP plan, then each weight set with setattr as a
+    # DTensor of this rank's rows (transformers' core_model_loading).
+    config = DistributedConfig(fsdp_size=n)
+    model = LlamaForCausalLM.from_pretrained(path, distributed_config=config)
+    loaded = _full(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(2):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(10 * s + rank))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"by": _by(model), "class": type(model).__name__, "loaded": loaded,
+            "losses": losses, "params": _full(model)}
+
+
+def test_transformers_from_pretrained_with_distributed_config_as_on_fsdp2(tmp_path):
+    """``from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))``: the model
+    is sharded on the meta device by its FSDP plan, then loaded weight by weight (``setattr``
+    of DTensors, which zero adopts); the loaded values and two training steps bitwise FSDP2's."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers.distributed.fsdp  # noqa: F401  (here, once: the ranks fork with it)
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                         max_position_embeddings=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    runs = {w: run_ranks(_from_pretrained, 2, w, str(tmp_path / "llama"), timeout=120)
+            for w in ("zero", "torch")}
+    assert [r["by"] for r in runs["zero"]] == ["zero", "zero"]
+    assert runs["zero"][0]["class"] == runs["torch"][0]["class"] == "FSDPLlamaForCausalLM"
+    for key in ("loaded", "params"):
+        _same([r[key] for r in runs["zero"]], [r[key] for r in runs["torch"]])
+    for ours, theirs in zip(runs["zero"], runs["torch"]):
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))

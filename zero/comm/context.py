@@ -201,6 +201,16 @@ class CommContext:
         return _issue("broadcast", tensor, 1.0, group, unit, phase, async_op, self,
                       lambda b: b.broadcast(tensor, src, group, async_op=True))
 
+    def launch(self, op: str, buffer, start, *, group=None, unit: str = "",
+               phase: str = "other", async_op: bool = False):
+        """A collective that ``start()`` issues itself, not the backend (FSDP2's custom
+        ``AllGather``/``ReduceScatter`` objects: ``zero/features/custom_collectives.py``):
+        agreed, recorded with ``buffer`` (its full (N*S,) buffer) and bounded like the others.
+        ``start()`` returns a handle, or None for a call that has finished."""
+        factor = 2.0 if op == "all_reduce" else 1.0
+        return _issue(op, buffer, factor, group, unit, phase, async_op, self,
+                      lambda b: start() or Done())
+
     def all_gather_object(self, obj, *, group=None) -> list:
         """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""
         if self.alone(group):

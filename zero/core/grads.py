@@ -20,7 +20,7 @@ it into an fp32 buffer ourselves, as FSDP2 does.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -97,6 +97,12 @@ class Gradient:
         self.reduce_dtype, self.keeps_full = config.reduce_dtype, config.keeps_full_gradient
         self.divide_factor: float | None = None  # FSDP2's set_gradient_divide_factor
         self.force_sum = False  # FSDP2's set_force_sum_reduction_for_comms
+        self.requires_all_reduce = True  # FSDP2's: False skips HSDP's (the note below)
+        self.all_reduce_hook: tuple[Callable, Any] | None = None  # FSDP2's: (hook, stream)
+        self.reduce_unused = False  # FSDP2's set_reduce_scatter_unused_params
+        self.max_in_flight = 1  # FSDP2's set_reduce_scatter_max_input_buffers (reductions.py)
+        self.partial: torch.Tensor | None = None  # HSDP: reduced, not yet over the replicas
+        self._partial_used: list | None = None  # which parameters got a gradient meanwhile
         self.unsynced: torch.Tensor | None = None  # no_sync micro-batches, in reduce_dtype
         self.reduction: Reduction | None = None  # a reduce-scatter in flight
         self.reduced: torch.Tensor | None = None  # the reduced shard, not yet handed out
@@ -178,7 +184,16 @@ class Gradient:
         # Our slot, where the optimizer steps: kept as a view of the full gradient (stage 1),
         # or a copy that frees the full one, on the host under CPU offload (device -> host).
         shard = self.config.offload.to_host(grad[self.local.slot], self.name, keep=keep)
+        if self._skips_replicas():  # (the note on HSDP's partial reductions below)
+            self.partial = (shard.clone() if keep else shard) if self.partial is None else \
+                self.partial.add_(shard)
+            return
+        if self.partial is not None:
+            shard += self.partial
+            self.partial = None
         self.mesh.reduce_replicas(shard, d.replicas_op, self.config.comm, self.name, ctx)  # HSDP
+        if self.all_reduce_hook is not None:
+            self._run_all_reduce_hook(*self.all_reduce_hook, shard, ctx)
         if d.post is not None and d.post != 1:
             shard.div_(d.post)
         if self.reduced is None:
@@ -186,16 +201,52 @@ class Gradient:
         else:
             self.reduced += shard  # the part before it (see start_reduce)
 
+    # [Note: HSDP's partial reductions] FSDP2's set_requires_all_reduce(False) (or
+    # set_requires_gradient_sync) accumulates micro-batches over the replicas without their
+    # all-reduce: each backward reduce-scatters within the shard group, and the shards are
+    # summed here, in reduce_dtype, before any division; the first backward that all-reduces
+    # adds them to its own and averages the sum over the replicas once. No .grad is handed
+    # out meanwhile (FSDP2 hands none), and which parameters got a gradient is remembered.
+    # On a 1-D mesh there are no replicas: the setting changes nothing, as in FSDP2.
+
+    def _skips_replicas(self) -> bool:
+        return not self.requires_all_reduce and getattr(self.mesh, "replicate_group",
+                                                        None) is not None
+
+    def _run_all_reduce_hook(self, hook, stream, shard: torch.Tensor, ctx) -> None:
+        """FSDP2's all-reduce hook: on the reduced shard (after HSDP's all-reduce, before the
+        division after the sum), on the stream given or the all-reduce stream."""
+        streams = ctx.streams(shard.device)
+        stream = stream if stream is not None else streams.all_reduce
+        with streams.use(stream):
+            hook(shard)
+        streams.join(stream)
+
+    def zeros_if_unused(self) -> None:
+        """FSDP2's set_reduce_scatter_unused_params: a unit that got no gradient in this
+        backward reduce-scatters zeros, so that every rank reduces alike and every parameter
+        gets a gradient (zeros where no rank used it)."""
+        reduced = self.has_unsynced() or self.reduction is not None or self.reduced is not None
+        if self.reduce_unused and self.leaf.requires_grad and not reduced:
+            self.leaf.grad = torch.zeros(self.leaf.shape, dtype=self.leaf.dtype,
+                                         device=self.leaf.device)
+
     def assign(self, used: list[bool]) -> None:
         """Give each used parameter its piece of the reduced gradient (accumulating)."""
         self._unmark()
         shard, self.reduced = self.reduced, None
         self.used = [False] * len(self.params)
+        if self._partial_used is not None:
+            used = [a or b for a, b in zip(used, self._partial_used)]
+        if self.partial is not None:  # HSDP's all-reduce skipped: wait for the one that runs
+            self._partial_used = used
+            return
+        self._partial_used = None
         if shard is None:
             return
         shard = shard.to(self.master.dtype)
         for i, sp in enumerate(self.sharded_params):
-            if not used[i]:
+            if not used[i] and not (self.reduce_unused and sp.sharded.requires_grad):
                 continue  # unused everywhere: grad stays None, as in DDP
             # (None: this rank holds none of it, layout "whole"; its hooks still run, as an
             # optimizer's step runs on every rank: torchtune's step in a hook marks the unit)
@@ -243,6 +294,7 @@ class Gradient:
             self.reduction.work.wait()  # every rank issued it: let it finish everywhere
             # (the computing stream waits on the collective: the buffers may go)
         self.leaf.grad = None
-        self.unsynced = self.reduction = self.reduced = None
+        self.unsynced = self.reduction = self.reduced = self.partial = None
+        self._partial_used = None
         self.used = [False] * len(self.params)
         self._unmark()

@@ -38,7 +38,9 @@ prefetched unit would hold anyway.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
+from types import FrameType
 from typing import Any
 
 import torch
@@ -68,6 +70,8 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     root = root_of(unit)
     if unit.config.cast_inputs:
         args, kwargs = map_tensors(unit.cast, (args, kwargs))
+    if in_forward_method(unit):  # inside a method run as its forward: gathered, viewed
+        return args, kwargs
     if in_backward():  # activation-checkpoint recompute: gathered for backward
         root.free_deferred(but=unit)
         unit.unshard(phase="backward")
@@ -99,8 +103,8 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
 def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
     if unit.config.output_dtype is not None:  # (a recompute too: reentrant backward: dtypes)
         output = map_tensors(unit.cast_output, output)
-    if in_backward():
-        return output  # activation-checkpoint recompute: backward still needs everything
+    if in_backward() or in_forward_method(unit):
+        return output  # a recompute (backward still needs everything), or inside a method
     if unit.reshard_after_forward and torch.is_grad_enabled():
         root_of(unit).guard.exit()
     guards.replaced_in_forward(unit)
@@ -127,11 +131,14 @@ def pre_backward(unit, grad: torch.Tensor) -> None:
         root.free_deferred(but=unit)
         unit.iteration.backward_task = torch._C._current_graph_task_id()
         unit.iteration.state = State.PRE_BACKWARD
-        unit.unshard(phase="backward", async_op=True)
+        gather = unit.controls.unshard_in_backward  # (FSDP2's set_unshard_in_backward)
+        if gather:
+            unit.unshard(phase="backward", async_op=True)
         root.queue_final_callback()
         root.backward_started(unit)  # prefetches what the schedule says: the unit before
-        unit.wait_unshard()
-        use_unsharded_views(unit)  # for a recompute inside the unit's forward
+        if gather:
+            unit.wait_unshard()
+            use_unsharded_views(unit)  # for a recompute inside the unit's forward
 
 
 def post_backward(unit, leaf: torch.Tensor) -> None:
@@ -154,6 +161,42 @@ def post_backward(unit, leaf: torch.Tensor) -> None:
             root.defer_reshard(unit)  # completed in a recompute's backward: module note
         else:
             unit.release_after_backward()
+
+
+# ---- a method run as a forward (FSDP2's register_fsdp_forward_method) ----------------------
+
+def pre_forward_method(unit, module: nn.Module, args: Any, kwargs: Any, frame):
+    """A method of ``module`` other than ``forward`` (``generate``, a loss of its own that
+    calls the module's layers) runs as a forward of its unit: ``pre_forward`` before it, and
+    the module's own ``forward``, if the method calls it, runs inside it as a plain call.
+    ``frame`` is the running method's: it marks the unit until ``post_forward_method``. (A
+    method called inside another is a plain call too.)"""
+    outer = in_forward_method(unit)
+    args, kwargs = pre_forward(unit, module, args, kwargs)
+    if not outer:
+        unit.iteration.method = frame
+    return args, kwargs
+
+
+def post_forward_method(unit, module: nn.Module, args: Any, output: Any, frame) -> Any:
+    if unit.iteration.method is frame:
+        unit.iteration.method = None
+    return post_forward(unit, module, args, output)
+
+
+def in_forward_method(unit) -> bool:
+    """Whether a method run as the unit's forward is running (its frame is on the stack).
+    torch's wrapper calls no post-forward when the method raises: then the mark is stale,
+    and the next forward starts afresh (``Root.begin_forward``)."""
+    frame = unit.iteration.method
+    if frame is None:
+        return False
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and f is not frame:
+        f = f.f_back
+    if f is None:
+        unit.iteration.method = None
+    return f is not None
 
 
 # ---- the views the module computes with, and their autograd hooks --------------------------

@@ -3,7 +3,9 @@
 Collectives pair up by the order they are issued in, so every rank must issue the reductions
 in the same order. Stages 2/3 start each as its gradient completes, as FSDP2 does, and keep at
 most one in flight, ended before the next unit's gradient begins, so that one unit's full
-gradient is alive at a time besides the shards. Stage 1, which keeps every full gradient until
+gradient is alive at a time besides the shards (FSDP2's
+``set_reduce_scatter_max_input_buffers(k)`` lets k fly: ``max_in_flight``, memory for overlap
+when the reductions are slower than backward). Stage 1, which keeps every full gradient until
 the step anyway, lets them all fly, and starts them in one fixed order (the units' own,
 reversed: backward's usual one), each once those before it have started, as DDP starts its
 buckets; so units may run in another order on each rank.
@@ -58,12 +60,14 @@ class Reductions:
         unit.grads.start_reduce(self.ctx)
 
     def end_in_flight(self) -> None:
-        """End the reduce-scatter in flight that frees a full gradient (stages 2/3), if any:
-        the unit's own ``reduction`` says so (nothing here keeps a second record of it)."""
-        prev = next((u for u in reversed(self.started)
-                     if not u.grads.keeps_full and u.grads.reduction is not None), None)
-        if prev is not None:
-            prev.grads.wait_reduce(self.ctx)
+        """End the reduce-scatters in flight that free a full gradient (stages 2/3), the
+        oldest first, until fewer than ``max_in_flight`` remain (one by default: none is left):
+        each unit's own ``reduction`` says so (nothing here keeps a second record of it)."""
+        flying = [u for u in dict.fromkeys(self.started)
+                  if not u.grads.keeps_full and u.grads.reduction is not None]
+        most = max((u.grads.max_in_flight for u in self.units), default=1)
+        for u in flying[: max(0, len(flying) - most + 1)]:
+            u.grads.wait_reduce(self.ctx)
 
     def finish(self, synced: list) -> None:
         """The end of backward: every gradient not yet reduced, in the units' order, which
@@ -71,6 +75,7 @@ class Reductions:
         precision, which lived until now whole, and any unit whose hook never fired this
         backward but that holds no_sync micro-batches); then wait for them all."""
         for u in synced:
+            u.grads.zeros_if_unused()  # (FSDP2's set_reduce_scatter_unused_params)
             if u.grads.has_unsynced():
                 self._issue(u)
         self.queue, self.ready = None, set()

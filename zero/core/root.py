@@ -85,6 +85,7 @@ class Root:
         self.deferred: list = []  # stage 3: to free once their backward is surely over
         self._callback_queued = False
         self.backwards = 0  # backward passes since the root's last forward began
+        self.is_last_backward = True  # False: another backward of this forward order follows
         self.watching = None  # the global hook listening for optimizers (zero/surface/attach.py)
         self._served: set = set()  # trainable units an optimizer with zero's hooks stepped
 
@@ -202,7 +203,7 @@ class Root:
         if not unit.config.stage.keep_grads:
             self.reductions.end_in_flight()
         for prev in self.schedule.backward_prefetch(unit, self.order):
-            if prev.config.stage.frees_parameters:
+            if prev.config.stage.frees_parameters and prev.controls.unshard_in_backward:
                 prev.unshard(phase="backward", async_op=True)
 
     # ---- deferred frees ------------------------------------------------------------------
@@ -300,7 +301,8 @@ class Root:
     def finish_backward(self) -> None:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
         synced = [u for u in self.units if u.controls.requires_grad_sync]  # the rest accumulate
-        self.order.end()
+        if self.is_last_backward:  # (FSDP2's set_is_last_backward(False), 1F1B pipelining:
+            self.order.end()  # the next backward, of another micro-batch, prefetches by it too)
         self.reductions.finish(synced)
         self.deferred = []
         # A parameter unused on this rank may be used on another: agree on "used" (max),

@@ -78,6 +78,7 @@ class Iteration:
     backward_task: int = -1  # the autograd graph task that reached the unit's outputs
     views: list | None = None  # the views into the gathered buffer the module computes with
     views_for: tuple = ()  # which parameters required grad when those views were made
+    method: object = None  # the frame of a method registered as a forward, while it runs
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Controls:
     reshard_after_backward: bool = True  # False: keep gathered for the next micro-batch
     requires_grad_sync: bool = True  # False: accumulate unsynced (no_sync)
     pinned: bool = False  # zero.unshard(module): gathered until zero.reshard(module)
+    unshard_in_backward: bool = True  # False: backward reads no parameter (an embedding's)
     forward_prefetch: list | None = None  # explicit lists; None: the schedule's own order
     backward_prefetch: list | None = None
     broadcast_buffers: bool = False  # the root: rank 0's buffers before each forward

@@ -172,6 +172,9 @@ class Unit:
             return  # (views are in the slots while the unit computes)
         if adoption.adopt_replaced(self):
             self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
+            # Sharded from meta and every parameter now replaced (transformers' loading):
+            # the shard holds values.
+            self.materialized = self.materialized or not any(p.is_meta for p in self.params)
 
     def params_on_meta(self) -> None:
         """Show the sharded parameters on the meta device, as FSDP2 does for a module it
@@ -257,6 +260,7 @@ class Unit:
             return
         ctx, comm = self.root.context, self.config.comm
         streams = ctx.streams(self.unsharded.device)
+        copies = self.layout.copies
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # from the smaller group
             mesh = self.mesh.post_forward
             assert mesh is not None and self._post_forward_shard is not None  # (its state says)
@@ -264,15 +268,16 @@ class Unit:
                 self.layout.padded_numel)
             self._post_forward_shard = None
             # The values forward computed with, already gathered once (qwZ: dequantized):
-            # moved exactly, so that backward computes with forward's weights.
-            comm = EXACT
+            # moved exactly, so that backward computes with forward's weights; slices of
+            # the buffer the parameters view, whatever the layout's wire order.
+            comm, copies = EXACT, False
         else:  # (host -> device, in the master dtype, under CPU offload)
             with streams.use(streams.copy_in):
                 source = self.config.offload.to_device(self.sharded, self.unsharded.device,
                                                        self.name, phase)
             group, slot = self.mesh.group, self.local.slot
         target = self._unsharded_data
-        if self.layout.copies:  # gathered rank-major, copied out where the parameters are
+        if copies:  # gathered rank-major, copied out where the parameters are
             target = self._unsharded_data.new_empty(self.layout.padded_numel)  # (computing
             # stream's memory, as every buffer here: only it frees, after it has waited)
         streams.all_gather.wait_stream(streams.copy_in)
@@ -281,7 +286,7 @@ class Unit:
             work = comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
                                    group=group, unit=self.name, phase=phase, ctx=ctx)
             event = streams.all_gather.record_event()
-        if self.layout.copies:
+        if copies:
             work = CopiedOut(work, self.layout, target, self._unsharded_data)
         self._gathering = AllGather(work, phase, event, (source, target))
         self.sharded_state = ShardedState.GATHERING

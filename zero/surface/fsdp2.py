@@ -8,16 +8,21 @@ divide factor never set halves the gradients. So this entry point does what ``fu
 does to a module, with ``zero.shard`` underneath:
 
 - it swaps the module's class for ``FSDP<Class>``, a subclass of torch's ``FSDPModule`` and of
-  the original class, whose FSDP2 methods act on zero's units (``ZeroFSDPModule``); every FSDP2
-  method zero does not implement raises ``NotImplementedError`` naming it;
+  the original class, whose FSDP2 methods act on zero's units (``ZeroFSDPModule``,
+  ``zero/surface/fsdp2_module.py``: every one of torch's);
 - its default layout is "rows", FSDP2's, so the parameters are ``Shard(0)`` DTensors and the
   training is bitwise FSDP2's (``zero/core/rows.py``);
+- each unit's collectives go through a comm policy of its own call
+  (``zero/features/custom_collectives.py``), zero's own until FSDP2's methods give it custom
+  objects;
 - each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; or 2-D, (replicate,
-  shard): HSDP, parameters placed ``(Replicate(), Shard(0))`` as FSDP2's), ``reshard_after_forward`` (stage 3's; an int, FSDP2's reshard to a smaller
-  group, is refused), ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or ours),
-  ``offload_policy`` (torch's ``CPUOffloadPolicy`` or ours: ``zero/features/offload.py``),
-  ``ignored_params``, ``shard_placement_fn`` (``Shard(0)`` only), ``dp_mesh_dims`` (None
-  only). ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
+  shard): HSDP, parameters placed ``(Replicate(), Shard(0))`` as FSDP2's),
+  ``reshard_after_forward`` (stage 3's; an int k, FSDP2's reshard to groups of k ranks
+  after forward, is zero's hpZ: ``_post_forward_group``), ``mp_policy`` (torch's
+  ``MixedPrecisionPolicy`` or ours), ``offload_policy`` (torch's ``CPUOffloadPolicy`` or
+  ours: ``zero/features/offload.py``), ``ignored_params``, ``shard_placement_fn``
+  (``Shard(0)`` only), ``dp_mesh_dims`` (None only). ``stage`` picks the ZeRO stage (3 by
+  default, as ``fully_shard``).
 
 At stages 1 and 2 the full parameters stay between steps: that is what those stages are. The
 FSDP2 calls that ask to free them (``reshard_after_forward=True``, which torchtitan passes for
@@ -31,18 +36,17 @@ this unchanged, bitwise FSDP2's: ``benchmarks/torchtitan_example.py``.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
-from zero.surface import controls
 from zero.core import registry
+from zero.features.custom_collectives import CustomCollectives
+from zero.surface.fsdp2_module import ZeroFSDPModule, not_freed
 from zero.surface.policies import MixedPrecision
 from zero.surface.shard import shard
-
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
@@ -64,11 +68,18 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         ``module``, its class now ``FSDP<Class>`` (an ``FSDPModule``).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    secondary_group = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            "fully_shard(reshard_after_forward=<int>) (FSDP2's reshard to a smaller group, "
-            "ZeRO++'s hpZ) is not supported here: use zero.shard(..., secondary_group=...) with "
-            "layout='flat'")
+        if stage != 3:
+            not_freed(f"fully_shard(stage={stage}, reshard_after_forward="
+                      f"{reshard_after_forward})")
+            reshard_after_forward = None
+        else:
+            reshard_after_forward, secondary_group = _post_forward_group(
+                reshard_after_forward, mesh)
+    elif reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError("reshard_after_forward should be a bool or an int representing the "
+                         f"group size to reshard to, not {reshard_after_forward!r}")
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             "fully_shard(dp_mesh_dims=...) (parameters as DTensors on a larger SPMD mesh) is "
@@ -83,18 +94,21 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                         f"fully_shard(shard_placement_fn=...) returned {placement} for {name}: "
                         "zero shards every parameter along dim 0 (Shard(0)) only")
     if stage != 3 and reshard_after_forward:
-        _not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
+        not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
     if layout != "rows":
         # FSDP2's clients (accelerate, the HF Trainer, Lightning, torchtune) clip with torch's
         # clip_grad_norm_, which computes a norm of what it is given: with rows that is
         # DTensors, whose norm is global; with the other layouts it is this rank's share, and
         # each rank would clip by its own factor, silently.
+        # Lightning's ModelParallelStrategy also decides whether a model can be saved by
+        # looking for DTensor parameters, before it calls anything of zero's.
         warnings.warn(
             f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
             "clips each rank by the norm of its own share of the gradients (each rank a "
-            "different factor): clip with zero.clip_grad_norm_(model, max_norm), or keep "
-            "layout='rows', FSDP2's, whose DTensor gradients torch's clipping reads whole",
-            stacklevel=2)
+            "different factor): clip with zero.clip_grad_norm_(model, max_norm); and clients "
+            "that look for DTensor parameters (Lightning's ModelParallelStrategy: its "
+            "checkpoints and its meta-device init) do not find them. Keep layout='rows', "
+            "FSDP2's, whose DTensor parameters and gradients they read whole", stacklevel=2)
     if mp_policy is not None:
         mp_policy = MixedPrecision.from_torch(mp_policy)
         if mp_policy == MixedPrecision():
@@ -102,7 +116,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     shard(modules if len(modules) > 1 else modules[0], stage=stage, mesh=mesh,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
           ignored_params=ignored_params, layout=layout, device=device,
-          offload_policy=offload_policy)
+          offload_policy=offload_policy, secondary_group=secondary_group,
+          comm_policy=CustomCollectives())  # (zero's own until set_custom_* fill it in)
     for unit in registry.units_on(modules[0]):
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values
             unit.params_on_meta()
@@ -117,179 +132,38 @@ def _fsdp_class(cls: type) -> type:
     made = cls.__dict__.get("_zero_fsdp_class")
     if made is None:
         made = type(f"FSDP{cls.__name__}", (ZeroFSDPModule, cls), {})
-        cls._zero_fsdp_class = made
+        setattr(cls, "_zero_fsdp_class", made)
     return made
 
 
-def _not_freed(call: str) -> None:
-    """Stages 1 and 2 keep the full parameters between steps: that is what the stage is. An
-    FSDP2 call asking to free them is accepted (code written for FSDP2 makes it as a matter
-    of course) and says once that it is not honoured; asking to keep them is what happens."""
-    warnings.warn(f"{call}: stages 1 and 2 keep the parameters between forward and backward "
-                  "and between steps; use stage=3 to free them", stacklevel=3)
-
-
-class ZeroFSDPModule(FSDPModule):
-    """FSDP2's module methods over zero's units (mixed into ``FSDP<Class>``).
-
-    As in FSDP2, each acts on the units this module's ``fully_shard`` made, and ``recurse``
-    extends it to the units below.
-    """
-
-    _orig_cls_mro_index = 3  # [FSDP<Class>, ZeroFSDPModule, FSDPModule, Class, ...]
-
-    def _units(self, recurse: bool = False) -> list:
-        return registry.units_of(self) if recurse else registry.units_on(self)
-
-    def unshard(self, async_op: bool = False):
-        """Gather this module's parameters (not the units below, as FSDP2), and keep them
-        gathered until ``reshard()`` (``zero.unshard``)."""
-        return controls.unshard(self, async_op=async_op)
-
-    def reshard(self) -> None:
-        controls.reshard(self)
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                   recurse: bool = True) -> None:
-        controls.set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse)
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Stage 3's knob. At stages 1 and 2 the parameters stay gathered (``_not_freed``);
-        torchtitan's chunked loss sets it False on ``lm_head``, then True again."""
-        for unit in self._units(recurse):
-            if unit.config.stage.frees_parameters:
-                unit.controls.reshard_after_forward = reshard_after_forward
-            elif reshard_after_forward:
-                _not_freed(f"set_reshard_after_forward(True) at stage {unit.config.stage.number}")
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
-                                   recurse: bool = True) -> None:
-        """Stage 3 (at stages 1 and 2 the parameters stay gathered, as ``_not_freed`` says)."""
-        if reshard_after_backward and any(not u.config.stage.frees_parameters
-                                          for u in self._units(recurse)):
-            _not_freed("set_reshard_after_backward(True)")
-        controls.set_reshard_after_backward(self, reshard_after_backward, recurse=recurse)
-
-    def set_modules_to_forward_prefetch(self, modules: list) -> None:
-        controls.set_modules_to_forward_prefetch(self, modules)
-
-    def set_modules_to_backward_prefetch(self, modules: list) -> None:
-        controls.set_modules_to_backward_prefetch(self, modules)
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Reduce with a sum and divide by ``factor`` (FSDP2's arithmetic, ``divide_factors``):
-        1.0 for code that divides its loss itself (torchtitan divides by the global token
-        count)."""
-        for unit in self._units():
-            unit.grads.divide_factor = factor
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        self.set_gradient_divide_factor(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Only sums on the wire; the division after (FSDP2's, for backends without AVG)."""
-        for unit in self._units():
-            unit.grads.force_sum = enable
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce over the replicas. Without replicas there is none to skip."""
-        if not requires_all_reduce and any(u.replicate_group is not None
-                                           for u in self._units(recurse)):
-            raise NotImplementedError("set_requires_all_reduce(False) with HSDP is not "
-                                      "supported by zero: every backward all-reduces")
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        if not is_last_backward:
-            raise NotImplementedError("set_is_last_backward(False) is not supported by zero: "
-                                      "every backward ends its reductions")
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        if not unshard_in_backward:
-            raise NotImplementedError("set_unshard_in_backward(False) is not supported by zero: "
-                                      "a unit's backward always gathers its parameters")
-
-    def set_post_optim_event(self, event: torch.Event) -> None:
-        """The next all-gathers must follow the optimizer step: zero's collectives are issued
-        on the current stream after it, so waiting for the event here is enough."""
-        event.wait()
-
-    def _get_fsdp_state(self):
-        """What ``register_fsdp_forward_method`` asks for (the HF Trainer registers
-        ``generate``): the pre- and post-forward around a method that is not ``forward``."""
-        return _ForwardMethodState()
-
-    def to_empty(self, *, device, recurse: bool = True):
-        """After ``fully_shard`` on the meta device: the shards already live on their device;
-        give the rest (buffers, ignored parameters) memory there, uninitialised, as
-        ``nn.Module.to_empty`` does, and leave the values to the model's own init."""
-        device = torch.device(device)
-        units = registry.units_of(self)
-        where = units[0].sharded.device
-        if device.type != where.type or (device.type != "cpu" and device.index is not None
-                                         and device.index != where.index):
-            raise ValueError(
-                f"to_empty(device={device}) but the shards of this model live on {where}: "
-                "shard it for that device (zero.fully_shard(..., device=...)), or initialise "
-                "from the meta device with zero.init_parameters(model, init_fn)")
-        for m in self.modules():
-            for name, t in list(m._buffers.items()):
-                if t is not None and t.is_meta:
-                    m._buffers[name] = torch.empty_like(t, device=device)
-            for name, p in list(m._parameters.items()):
-                if p is not None and p.is_meta and not registry.is_piece(p):
-                    m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
-                                                       requires_grad=p.requires_grad)
-        for unit in units:
-            unit.params_on_shard()  # each parameter, the same object, now shows its pieces
-            unit.materialized = True  # the model's init writes the shards (through DTensors)
-        return self
-
-    def _apply(self, fn, *args: Any, **kwargs: Any):
-        # ``model.to(the device it is on)`` (Lightning's setup) changes nothing: every tensor
-        # converts to itself. Anything else would swap the shards' data for copies.
-        tensors = [*self.parameters(), *self.buffers()]
-        if all(fn(t) is t for t in tensors):
-            return self
-        raise RuntimeError(
-            f"{type(self).__name__}.to() / .half() / .float() / .cuda() after zero.fully_shard "
-            "would detach its parameters from their shards: convert the model before sharding, "
-            "or compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)")
-
-    def __deepcopy__(self, memo):
-        raise TypeError(
-            "copy.deepcopy of a model sharded by zero is not supported: its parameters are "
-            "views into shards that a copy would not share. Copy the model before sharding it")
-
-
-class _ForwardMethodState:
-    """``register_fsdp_forward_method``'s view of a module's FSDP state: around the method,
-    the module's own unit is gathered and kept (``zero.unshard``), then let go
-    (``zero.reshard``); the forwards the method runs inside gather the units below as usual.
-    Any other question about FSDP2's internals (FSDPMemTracker's) is refused by name."""
-
-    def _pre_forward(self, module, args, kwargs):
-        controls.unshard(module)
-        return args, kwargs
-
-    def _post_forward(self, module, args, output):
-        controls.reshard(module)
-        return output
-
-    def __getattr__(self, name: str):
-        raise NotImplementedError(
-            f"FSDP2's state.{name}: a model sharded by zero.fully_shard has no FSDP2 state for "
-            "torch's internals (FSDPMemTracker, say) to read; use "
-            "zerolab.trackers.ZeroMemTracker")
-
-
-def _not_implemented(name: str):
-    def method(self, *args, **kwargs):
-        raise NotImplementedError(f"FSDPModule.{name} is not implemented by zero.fully_shard")
-    method.__name__ = name
-    return method
-
-
-# Every other public method of torch's FSDPModule: refused by name, never a silent no-op.
-for _name in [n for n in vars(FSDPModule) if not n.startswith("_")]:
-    if _name not in vars(ZeroFSDPModule):
-        setattr(ZeroFSDPModule, _name, _not_implemented(_name))
+def _post_forward_group(k: int, mesh) -> tuple[bool, object]:
+    """FSDP2's ``reshard_after_forward=k``: after forward, each rank keeps its 1/k of the
+    parameters, over the k consecutive ranks of the mesh (its ranks in order, cut in rows of
+    k: 8 on 16 ranks gives {0..7} and {8..15}; within each shard row under HSDP), and
+    backward gathers them from those k only. That is zero's hpZ (``zero.shard(...,
+    secondary_group=...)``): (True, the group of this rank's k). k must divide the shard
+    group's size; 1 is False (FSDP2 warns), the whole group is True. The groups are made
+    once per mesh (with ``mesh=None`` at each call: pass the mesh)."""
+    ranks = (torch.arange(dist.get_world_size()) if mesh is None
+             else mesh.mesh.flatten())  # (FSDP2: mesh.mesh.view(-1, k), replicas flattened)
+    size = len(ranks) if mesh is None else mesh.size(mesh.ndim - 1)
+    if not 1 <= k <= size or size % k:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor "
+                         f"of {size} (the shard group's size), not {k}")
+    if k == 1:
+        warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world "
+                      "size 1, instead of reshard_after_forward=True (bool): not resharded",
+                      stacklevel=3)
+        return False, None
+    if k == size:
+        return True, None
+    made = getattr(mesh, "_zero_post_forward_groups", {})
+    if k not in made:
+        rank = dist.get_rank()
+        for row in ranks.view(-1, k).tolist():  # every rank makes every group, in one order
+            group = dist.new_group(row)
+            if rank in row:
+                made[k] = group
+        if mesh is not None:
+            mesh._zero_post_forward_groups = made
+    return True, made[k]

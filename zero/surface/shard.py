@@ -176,9 +176,6 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
         device = device_of(modules[0], o.device, ctx.default_device(group))
         layout = layout_class(o.layout)
         _check_seams(o, offload, layout)
-        if layout.copies and o.secondary_group is not None:
-            raise ValueError(f"layout={layout.name!r} is not supported with hpZ (a "
-                             "secondary_group) yet: use layout='flat' there")
         params, locations, children = claim(modules, stage, mp_policy,
                                             o.reshard_after_forward, ignored)
         if any(child.layout.name != layout.name for child in children):

@@ -1,0 +1,321 @@
+"""``FSDPModule``'s methods over zero's units: what ``zero.fully_shard`` mixes into a module.
+
+``zero.fully_shard`` swaps a module's class for ``FSDP<Class>``, a subclass of torch's
+``FSDPModule`` and of the original class (``zero/surface/fsdp2.py``); its FSDP2 methods are
+these. As in FSDP2, each acts on the units this module's ``fully_shard`` made (a trainable
+one, and a frozen one beside it), and ``recurse`` extends it to the units below. Every public
+method of torch's ``FSDPModule`` is here (``tests/surface/test_fsdp2_methods.py`` lists them
+against torch's class and runs each beside FSDP2), grouped by what it concerns:
+
+- gathering: ``unshard``, ``reshard``, ``set_reshard_after_forward`` / ``_backward``,
+  ``set_unshard_in_backward``, the prefetch lists, ``set_post_optim_event``;
+- gradients: ``set_requires_gradient_sync``, ``set_requires_all_reduce`` (HSDP), the divide
+  factors, ``set_force_sum_reduction_for_comms``, ``set_reduce_scatter_unused_params``,
+  ``set_all_reduce_hook``, ``set_is_last_backward``, ``reset_iter_state``;
+- the collectives (``zero/features/custom_collectives.py``): ``set_custom_all_gather`` /
+  ``_reduce_scatter``, the buffers' allocation (process group, symmetric memory),
+  ``set_separate_reduce_scatter_group``, ``set_reduce_scatter_max_input_buffers``;
+- what torch's functions read (``_get_fsdp_state``: ``zero/surface/fsdp2_state.py``), and
+  what changing the module's tensors would break (``to_empty``, ``_apply``, deep copies).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Literal, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from zero.core import registry
+from zero.features.custom_collectives import CustomCollectives
+from zero.surface import controls
+from zero.surface.fsdp2_state import FSDPStateView
+
+
+def not_freed(call: str) -> None:
+    """Stages 1 and 2 keep the full parameters between steps: that is what the stage is. An
+    FSDP2 call asking to free them is accepted (code written for FSDP2 makes it as a matter
+    of course) and says once that it is not honoured; asking to keep them is what happens."""
+    warnings.warn(f"{call}: stages 1 and 2 keep the parameters between forward and backward "
+                  "and between steps; use stage=3 to free them", stacklevel=3)
+
+
+class ZeroFSDPModule(FSDPModule):
+    """FSDP2's module methods over zero's units (mixed into ``FSDP<Class>``)."""
+
+    _orig_cls_mro_index = 3  # [FSDP<Class>, ZeroFSDPModule, FSDPModule, Class, ...]
+
+    @property
+    def _module(self) -> nn.Module:
+        """This object as the module it is (``FSDP<Class>``'s other base is the module's
+        class; ``FSDPModule`` is not an ``nn.Module`` to a type checker)."""
+        return cast(nn.Module, self)
+
+    def _units(self, recurse: bool = False) -> list:
+        return registry.units_of(self._module) if recurse else registry.units_on(self._module)
+
+    # ---- gathering -------------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False):
+        """Gather this module's parameters (not the units below, as FSDP2), and keep them
+        gathered until ``reshard()`` (``zero.unshard``)."""
+        return controls.unshard(self._module, async_op=async_op)
+
+    def reshard(self) -> None:
+        controls.reshard(self._module)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Stage 3's knob. At stages 1 and 2 the parameters stay gathered (``not_freed``);
+        torchtitan's chunked loss sets it False on ``lm_head``, then True again."""
+        if not isinstance(reshard_after_forward, bool):  # (FSDP2's check: an int is for init)
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward)}: a group size to reshard to "
+                             "is fully_shard(reshard_after_forward=<int>)'s")
+        for unit in self._units(recurse):
+            if unit.config.stage.frees_parameters:
+                unit.controls.reshard_after_forward = reshard_after_forward
+            elif reshard_after_forward:
+                not_freed(f"set_reshard_after_forward(True) at stage {unit.config.stage.number}")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """Stage 3 (at stages 1 and 2 the parameters stay gathered, as ``not_freed`` says)."""
+        if reshard_after_backward and any(not u.config.stage.frees_parameters
+                                          for u in self._units(recurse)):
+            not_freed("set_reshard_after_backward(True)")
+        controls.set_reshard_after_backward(self._module, reshard_after_backward, recurse=recurse)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward needs none of this module's parameters (an embedding's gradient
+        reads only its indices), so it is not gathered for backward, nor prefetched."""
+        for unit in self._units():
+            unit.controls.unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        controls.set_modules_to_forward_prefetch(self._module, modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        controls.set_modules_to_backward_prefetch(self._module, modules)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next all-gathers must follow the optimizer step: zero's collectives are issued
+        on the current stream after it, so waiting for the event here is enough."""
+        event.wait()
+
+    # ---- gradients -------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """``no_sync`` without a context; under HSDP it governs the all-reduce too (FSDP2's)."""
+        controls.set_requires_gradient_sync(self._module, requires_gradient_sync, recurse=recurse)
+        for unit in self._units(recurse):
+            unit.grads.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters within the shard group but sums the micro-batches
+        without the all-reduce over the replicas, until a backward with it (``zero/core/
+        grads.py``'s note on partial reductions). On a 1-D mesh there is none: no change."""
+        for unit in self._units(recurse):
+            unit.grads.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce with a sum and divide by ``factor`` (FSDP2's arithmetic, ``divide_factors``):
+        1.0 for code that divides its loss itself (torchtitan divides by the global token
+        count)."""
+        for unit in self._units():
+            unit.grads.divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only sums on the wire; the division after (FSDP2's, for backends without AVG)."""
+        for unit in self._units():
+            unit.grads.force_sum = enable
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Reduce zeros for what got no gradient: every parameter gets one (zeros where no
+        rank used it), as FSDP2 then does. zero reduces whole units, unused pieces included,
+        either way, so ranks that use different experts never disagree."""
+        for unit in self._units(recurse):
+            unit.grads.reduce_unused = reduce_scatter_unused_params
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream=None) -> None:
+        """``hook(shard)`` on each reduced gradient shard, in ``reduce_dtype``, after HSDP's
+        all-reduce if any and before the division after the sum: a reduction of the user's
+        own (a custom HSDP), on ``stream`` (default: the all-reduce stream)."""
+        for unit in self._units():
+            if stream is not None and getattr(unit.mesh, "replicate_group", None) is not None:
+                raise ValueError("set_all_reduce_hook(stream=...) with HSDP: the hook runs "
+                                 "after HSDP's all-reduce, on its stream; drop stream=")
+            unit.grads.all_reduce_hook = (hook, stream)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: another backward follows in the same forward order (1F1B pipelining), so
+        the order to prefetch by is kept for it (``Root.finish_backward``)."""
+        for unit in self._units():
+            unit.root.is_last_backward = is_last_backward
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: every unit back to IDLE, its gathers and
+        reductions in flight ended and their gradients discarded (the next forward would do
+        the same, with a warning). The root's only, as FSDP2's."""
+        units = self._units()
+        if not units or units[0].parent is not None:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module: the "
+                               "module the last fully_shard call was given (the whole model)")
+        units[0].root.reset(discard_gradients=True)
+
+    # ---- the collectives ------------------------------------------------------------------
+
+    def _collectives(self, recurse: bool = False) -> list[CustomCollectives]:
+        """The comm policies of this module's units: ``fully_shard`` gives each call one."""
+        return list({id(u.config.comm): u.config.comm for u in self._units(recurse)}.values())
+
+    def set_custom_all_gather(self, comm) -> None:
+        """FSDP2's ``AllGather`` object (``allocate`` and ``__call__``) gathers this module's
+        parameters, through zero's comm seam (``zero/features/custom_collectives.py``)."""
+        for policy in self._collectives():
+            policy.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """FSDP2's ``ReduceScatter`` object reduces this module's gradients."""
+        for policy in self._collectives():
+            policy.reduce_scatter_comm = comm
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """The collectives' buffers from the process group's own allocator (NCCL's, for
+        zero-copy transfers); gloo has none, and there, as in FSDP2, ``torch.empty``."""
+        for policy in self._collectives():
+            if policy.all_gather_comm is not None or policy.reduce_scatter_comm is not None:
+                raise ValueError("set_allocate_memory_from_process_group_for_comm with a "
+                                 "custom all-gather or reduce-scatter: that object allocates "
+                                 "its buffers itself (its allocate()); choose one of the two")
+            policy.from_group = enable
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """The all-gather's buffers in NCCL's symmetric memory, through torch's own objects
+        (and the reduce-scatter's, with only sums on the wire, as FSDP2)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            SymmMemAllGather, SymmMemReduceScatter)
+
+        for unit in self._units():
+            group = cast(dist.ProcessGroup, unit.mesh.group or dist.group.WORLD)
+            if dist.get_backend(group) != "nccl":
+                raise ValueError(
+                    f"set_symm_mem_for_comm({backend!r}): symmetric memory is NCCL's, on CUDA; "
+                    f"this model's group runs {dist.get_backend(group)} (FSDP2 fails there "
+                    "too). Leave the default collectives, or allocate from the process group: "
+                    "set_allocate_memory_from_process_group_for_comm(True)")
+            policy = unit.config.comm
+            policy.all_gather_comm = SymmMemAllGather(group, backend)
+            if unit.grads.force_sum:
+                policy.reduce_scatter_comm = SymmMemReduceScatter(group, backend)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """The reduce-scatters on a process group of their own over the same ranks (one per
+        rank set), so that they need not queue behind the all-gathers on one communicator."""
+        made: dict = {}
+        for unit in self._units(recurse):
+            policy, group = unit.config.comm, unit.mesh.group
+            if not enable:
+                policy.reduce_scatter_groups.pop(group, None)
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            if ranks not in made:  # (every rank of the group makes it: a collective call)
+                made[ranks] = policy.reduce_scatter_groups.get(group) or dist.new_group(
+                    list(ranks), use_local_synchronization=True)
+            policy.reduce_scatter_groups[group] = made[ranks]
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """Let up to this many reduce-scatters fly at once (``zero/core/reductions.py``):
+        their full gradients stay alive meanwhile, memory for overlap."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for unit in self._units(recurse):
+            unit.grads.max_in_flight = max_input_buffers
+
+    # ---- what torch's functions read, and what would detach the parameters ------------------
+
+    def _get_fsdp_state(self):
+        """What ``register_fsdp_forward_method`` and ``share_comm_ctx`` read
+        (``zero/surface/fsdp2_state.py``)."""
+        return FSDPStateView(self._module)
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """After ``fully_shard`` on the meta device: the shards already live on their device;
+        give the rest (buffers, ignored parameters) memory there, uninitialised, as
+        ``nn.Module.to_empty`` does, and leave the values to the model's own init."""
+        device = torch.device(device)
+        units = registry.units_of(self._module)
+        where = units[0].sharded.device
+        if device.type != where.type or (device.type != "cpu" and device.index is not None
+                                         and device.index != where.index):
+            raise ValueError(
+                f"to_empty(device={device}) but the shards of this model live on {where}: "
+                "shard it for that device (zero.fully_shard(..., device=...)), or initialise "
+                "from the meta device with zero.init_parameters(model, init_fn)")
+        pieces = [u for u in units if not u.materialized and not u.layout.exposes_dtensors]
+        if pieces:
+            raise ValueError(
+                f"to_empty() after zero.fully_shard(layout={pieces[0].layout.name!r}) on the "
+                "meta device: the parameters it shows are this rank's pieces, which a module's "
+                "own initialisation (reset_parameters, as Lightning's empty_init calls it) "
+                "cannot fill: its fan-in needs the full shape. Use layout='rows' (FSDP2's, "
+                "fully_shard's default: DTensors of the full shape), or fill the shards with "
+                "zero.init_parameters(model, init_fn) instead of to_empty()")
+        for m in self._module.modules():
+            for name, t in list(m._buffers.items()):
+                if t is not None and t.is_meta:
+                    m._buffers[name] = torch.empty_like(t, device=device)
+            for name, p in list(m._parameters.items()):
+                if p is not None and p.is_meta and not registry.is_piece(p):
+                    m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
+                                                       requires_grad=p.requires_grad)
+        for unit in units:
+            unit.params_on_shard()  # each parameter, the same object, now shows its pieces
+            unit.materialized = True  # the model's init writes the shards (through DTensors)
+        return self
+
+    def _apply(self, fn, *args: Any, **kwargs: Any):
+        # ``model.to(the device it is on)`` (Lightning's setup) changes nothing: every tensor
+        # converts to itself. Anything else would swap the shards' data for copies.
+        tensors = [*self._module.parameters(), *self._module.buffers()]
+        if all(fn(t) is t for t in tensors):
+            return self
+        raise RuntimeError(
+            f"{type(self).__name__}.to() / .half() / .float() / .cuda() after zero.fully_shard "
+            "would detach its parameters from their shards: convert the model before sharding, "
+            "or compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "copy.deepcopy of a model sharded by zero is not supported: its parameters are "
+            "views into shards that a copy would not share. Copy the model before sharding it")
+
+
+def _not_implemented(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"FSDPModule.{name} (new in this torch, after zero was written) is not implemented "
+            "by zero.fully_shard: shard this model with torch's fully_shard to use it, or "
+            "leave the call out")
+    method.__name__ = name
+    return method
+
+
+# A public method of a later torch's FSDPModule: refused by name, never a silent no-op.
+for _name in [n for n in vars(FSDPModule) if not n.startswith("_")]:
+    if _name not in vars(ZeroFSDPModule):
+        setattr(ZeroFSDPModule, _name, _not_implemented(_name))

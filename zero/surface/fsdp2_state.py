@@ -1,0 +1,86 @@
+"""What torch's own functions read of an FSDP2 module's state, answered from zero's units.
+
+Two public functions of ``torch.distributed.fsdp`` reach past the module's methods into its
+state (``module._get_fsdp_state()``), and a module sharded by ``zero.fully_shard`` must answer
+them in zero's terms:
+
+- ``register_fsdp_forward_method(module, "generate")`` wraps the method in the state's
+  ``_pre_forward`` and ``_post_forward``, so that a method other than ``forward`` gathers the
+  module's parameters (the HF Trainer registers ``generate``). Here they are the unit's own
+  hooks (``zero/core/hooks.py``'s ``pre_forward_method``): the parameters are gathered and the
+  module computes with them (its own layers too, called from the method), and a ``forward``
+  the method calls runs inside it;
+- ``share_comm_ctx([stage0, stage1, ...])`` reads the first module's ``_comm_ctx`` and sets it
+  on the others' states and on each of their ``_fsdp_param_groups`` (pipeline stages, each a
+  root, sharing one context and its streams). Here a state's ``_comm_ctx`` is its root's
+  ``CommContext``, and setting it is ``Root.share_context``.
+
+Anything else torch's internals ask of an FSDP2 state (``FSDPMemTracker`` reads many of its
+fields) is refused by name, with what to use instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from zero.core import hooks, registry
+
+
+class FSDPStateView:
+    """``module._get_fsdp_state()`` for a module ``zero.fully_shard`` sharded."""
+
+    def __init__(self, module):
+        self._units = registry.units_on(module)
+
+    @property
+    def _comm_ctx(self):
+        """The root's ``CommContext``: every collective of the model goes through it."""
+        return self._units[0].root.context
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, context) -> None:
+        for unit in self._units:
+            _share(unit, context)
+
+    @property
+    def _fsdp_param_groups(self) -> list:
+        return [_ParamGroupView(u) for u in self._units]
+
+    def _pre_forward(self, module, args, kwargs):
+        frame = sys._getframe(1)  # torch's wrapper around the method: running until it returns
+        for unit in self._units:
+            args, kwargs = hooks.pre_forward_method(unit, module, args, kwargs, frame)
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        frame = sys._getframe(1)
+        for unit in self._units:
+            output = hooks.post_forward_method(unit, module, args, output, frame)
+        return output
+
+    def __getattr__(self, name: str):
+        raise NotImplementedError(
+            f"FSDP2's state.{name}: a model sharded by zero.fully_shard has no FSDP2 state for "
+            "torch's internals to read (FSDPMemTracker reads it): measure zero's memory with "
+            "zerolab.trackers.ZeroMemTracker, and its collectives with zero.Ledger")
+
+
+class _ParamGroupView:
+    """One of ``_fsdp_param_groups``: a unit, whose ``comm_ctx`` is its root's context."""
+
+    def __init__(self, unit):
+        self._unit = unit
+
+    @property
+    def comm_ctx(self):
+        return self._unit.root.context
+
+    @comm_ctx.setter
+    def comm_ctx(self, context) -> None:
+        _share(self._unit, context)
+
+
+def _share(unit, context) -> None:
+    """``unit``'s root issues its collectives through ``context`` from now on."""
+    if unit.root.context is not context:
+        unit.root.share_context(context)
