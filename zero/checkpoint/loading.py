@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor
 from zero import comm
 from zero.checkpoint import reader, validate, safe_pickle
 from zero.checkpoint import directory as ckdir
-from zero.checkpoint.dcp import check_optimizer, entries_of, first_names, resident
+from zero.checkpoint.dcp import PLACED_FIX, check_optimizer, entries_of, first_names, resident
 from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
-from zero.core import registry
+from zero.core import placement, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 
@@ -59,6 +59,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         ValueError: it was saved from another model (names the keys and shapes that differ),
             or the optimizer does not hold the model's parameters.
     """
+    placement.refuse(units_of(model), "zero.load", PLACED_FIX, any_dim=True)
     units, names, entries = units_of(model), first_names(model), entries_of(model)
     with_optim = optimizer is not None
     ctx = units[0].root.context

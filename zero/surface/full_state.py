@@ -15,15 +15,21 @@ import torch
 import torch.nn as nn
 
 from zero import comm
-from zero.core import same_model
+from zero.core import placement, same_model
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
+
+
+# A tensor-parallel parameter's shards are of its tp-local tensor, not of the whole one.
+TP_FIX = ("use torch's get_model_state_dict / set_model_state_dict with "
+          "StateDictOptions(full_state_dict=True), which gather the DTensors whole, as on FSDP2")
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
+    placement.refuse(units, "zero.full_state_dict", TP_FIX)
     comm.agree("gather a full state dict", group=units[0].mesh.all_group, ctx=units[0].root.context,
                fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
                    "you need on rank 0")
@@ -57,6 +63,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys).
     """
     units = units_of(model)
+    placement.refuse(units, "zero.load_full_state_dict", TP_FIX)
     group, ctx = units[0].mesh.all_group, units[0].root.context
     comm.agree(f"load a full state dict (broadcast_from_rank0={broadcast_from_rank0})",
                group=group, ctx=ctx, fix="Call zero.load_full_state_dict on every rank, with "
