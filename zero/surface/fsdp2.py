@@ -16,8 +16,8 @@ does to a module, with ``zero.shard`` underneath:
   shard): HSDP, parameters placed ``(Replicate(), Shard(0))`` as FSDP2's), ``reshard_after_forward`` (stage 3's; an int, FSDP2's reshard to a smaller
   group, is refused), ``mp_policy`` (torch's ``MixedPrecisionPolicy`` or ours),
   ``offload_policy`` (torch's ``CPUOffloadPolicy`` or ours: ``zero/features/offload.py``),
-  ``ignored_params``, ``shard_placement_fn`` (``Shard(0)`` only), ``dp_mesh_dims`` (None
-  only). ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
+  ``ignored_params``, ``shard_placement_fn`` (``Shard(dim)``, any dim that divides, as
+  FSDP2's), ``dp_mesh_dims`` (None only). ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
 
 At stages 1 and 2 the full parameters stay between steps: that is what those stages are. The
 FSDP2 calls that ask to free them (``reshard_after_forward=True``, which torchtitan passes for
@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import Shard
 
 from zero.surface import controls
 from zero.core import registry
@@ -74,14 +73,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             "fully_shard(dp_mesh_dims=...) (parameters as DTensors on a larger SPMD mesh) is "
             "not supported by zero: give the data-parallel mesh itself (torchtitan: "
             "parallelism.spmd_backend='partial_dtensor')")
-    if shard_placement_fn is not None:
-        for m in modules:
-            for name, p in m.named_parameters():
-                placement = shard_placement_fn(p)
-                if placement is not None and placement != Shard(0):
-                    raise NotImplementedError(
-                        f"fully_shard(shard_placement_fn=...) returned {placement} for {name}: "
-                        "zero shards every parameter along dim 0 (Shard(0)) only")
     if stage != 3 and reshard_after_forward:
         _not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
     if layout != "rows":
@@ -102,7 +93,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     shard(modules if len(modules) > 1 else modules[0], stage=stage, mesh=mesh,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
           ignored_params=ignored_params, layout=layout, device=device,
-          offload_policy=offload_policy)
+          offload_policy=offload_policy, shard_placement_fn=shard_placement_fn)
     for unit in registry.units_on(modules[0]):
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values
             unit.params_on_meta()
