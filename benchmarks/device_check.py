@@ -12,7 +12,12 @@ and until it has run there, the CUDA path is untested. What it checks:
 3. the stage comparison at a size that fills a few GiB (world size 1): peak device memory and
    median step time per stage;
 4. CPU offload: ZeRO-3's peak device memory with the shards on the host, against without;
-   and disk offload's (the optimizer state in files, the step on the host).
+   and disk offload's (the optimizer state in files, the step on the host);
+5. streams: the collectives' side streams (``zero/comm/context.py``'s note) run beside the
+   computation: in a profiled ZeRO-3 step in bf16, how many of the kernels on the context's
+   streams (the copy-ins' casts; with several GPUs under torchrun, NCCL's all-gathers and
+   reduce-scatters) overlap a kernel of the computing stream. Check 1's equality runs with
+   the streams on: the losses and parameters are bitwise the single-device run's.
 
 Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
 runs the same code on the CPU with gloo and the small model (tests/zerolab/test_device_check.py), so
@@ -70,7 +75,7 @@ def equality_ws1(rank: int, n: int) -> list[tuple[str, bool]]:
         same = all(torch.equal(plain.step(rank, s)[0], ours.step(rank, s)[0])
                    for s in range(STEPS))
         want, got = plain.full_params(), ours.full_params()
-        out.append((f"zero{stage} fp32 vs one device",
+        out.append((f"zero{stage} fp32 vs one device (streams on)",
                     same and all(torch.equal(want[k], got[k]) for k in want)))
     ref, ours = System("fsdp2", base, "adamw", mp=True), System("zero3", base, "adamw", mp=True)
     same = all(torch.equal(ref.step(rank, s)[0], ours.step(rank, s)[0]) for s in range(STEPS))
@@ -107,6 +112,42 @@ def memory_and_time(rank: int, n: int, kind: str) -> tuple[int, float]:
         _sync()
         times.append(time.perf_counter() - t0)
     return _peak(), statistics.median(times[1:])
+
+
+def streams_overlap(rank: int, n: int) -> tuple[str, str | bool]:
+    """A profiled ZeRO-3 step: side-stream kernels that overlap a computing-stream kernel."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device = _device()
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = GPT(SMALL if DRY["on"] else BIG)
+    system = System("zero3", base, "adamw", mp=True)
+    system.step(rank, 0, batch=2)  # the schedule learns the order: the next step prefetches
+    _sync()
+    activities = [ProfilerActivity.CPU] + ([] if DRY["on"] else [ProfilerActivity.CUDA])
+    with profile(activities=activities) as prof:
+        system.step(rank, 1, batch=2)
+        _sync()
+    if DRY["on"]:
+        return ("streams: a profiled ZeRO-3 step (CPU: no device kernels)", True)
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    kernels = [e for e in json.load(open(path))["traceEvents"]
+               if e.get("cat") == "kernel" and "stream" in e.get("args", {})]
+    streams: dict = {}
+    for e in kernels:
+        streams.setdefault(e["args"]["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
+    compute = max(streams, key=lambda s: len(streams[s]))  # the computing stream: the busiest
+    busy = sorted(streams[compute])
+    side = [iv for s, ivs in streams.items() if s != compute for iv in ivs]
+    overlap = sum(any(a < d and c < b for c, d in busy) for a, b in side)
+    return (f"streams: side-stream kernels overlapping compute ({len(streams)} streams)",
+            f"{overlap} of {len(side)}")
 
 
 def main(argv: list[str] | None = None) -> list[tuple]:
@@ -148,6 +189,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         return out
 
     check("the stage comparison", stages)
+    check("streams", lambda: [run_ranks(streams_overlap, 1, backend=_backend(),
+                                        timeout=240)[0]])
     width = max(len(r[0]) for r in rows)
     print(f"{'check':<{width}}  result  (seconds)")
     for name, result, seconds in rows:

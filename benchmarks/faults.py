@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import faulthandler
 import os
 import platform
 import sys
@@ -32,7 +33,7 @@ import torch
 import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path[:0] = [os.path.join(HERE, "..", "tests", "comm"), os.path.join(HERE, "..", "tests")]
 import test_faults  # noqa: E402  (the cases: tests/comm/test_faults.py)
 
 import zero  # noqa: E402
@@ -94,7 +95,8 @@ def cases() -> dict:
     return out
 
 
-def _case(rank: int, n: int, name: str, tmp: str):
+def _case(rank: int, n: int, name: str, tmp: str, stderr: str):
+    _stderr_to(os.path.join(stderr, f"rank{rank}.txt"))
     os.environ["ZERO_CHECK"], os.environ["ZERO_TIMEOUT"] = "0", str(BOUND)
     start = time.monotonic()
     try:
@@ -104,12 +106,23 @@ def _case(rank: int, n: int, name: str, tmp: str):
     return None, "", time.monotonic() - start
 
 
-def run_case(name: str) -> tuple[str, str]:
-    """The case's ending and what it printed, in one line each."""
+def _stderr_to(path: str) -> None:
+    """This rank's stderr (fd 2: gloo's own messages) and the fatal-error dump of a process
+    killed by a signal (faulthandler, which pytest points at the terminal) into ``path``: a
+    death the matrix expects is reported in the table, not as a crash on the screen."""
+    out = open(path, "w")
+    os.dup2(out.fileno(), 2)
+    faulthandler.enable(file=out, all_threads=True)
+
+
+def run_case(name: str, stderr: str | None = None) -> tuple[str, str]:
+    """The case's ending and what it printed, in one line each; each rank's stderr goes to
+    ``stderr/rank<r>.txt`` (by default a temporary directory, removed)."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            results = run_ranks(_case, 2, name, os.path.join(tmp, "ckpt"), timeout=LIMIT)
+            results = run_ranks(_case, 2, name, os.path.join(tmp, "ckpt"), stderr or tmp,
+                                timeout=LIMIT)
         except RankTimeout:
             return "hang", f"a rank still ran after {LIMIT} s"
         except RankError as e:

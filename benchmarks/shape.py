@@ -12,7 +12,11 @@ Four counts, each from Python's ``ast`` (no code is run):
   ``zerolab`` (which ``zero`` must never import);
 - feature-specific branches in ``zero/core``: ``if`` tests (and conditional expressions)
   that mention an offload, hpZ's secondary group (or its post-forward mesh), HSDP's replicas
-  or a layout's name.
+  or a layout's name;
+- private torch machinery ``zero/`` uses: names imported from torch that start with an
+  underscore or come from a private module, ``torch._x`` chains, and private attributes of
+  torch's own classes (``module._parameters``, ``tensor._version``...), each once, with where
+  it is first used (notes/15 says why each is needed).
 
     python benchmarks/shape.py            # the table
     python benchmarks/shape.py --json     # the same figures, for a test or a note
@@ -135,6 +139,56 @@ def feature_branches(tree: ast.AST, source: str) -> list[str]:
     return out
 
 
+def _torch_private_attributes() -> set[str]:
+    """Underscore names torch's own classes define (what ``x._name`` on one of them reads)."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor
+
+    found = set()
+    objects = [torch.Tensor, nn.Parameter, nn.Module, torch.optim.Optimizer, DTensor,
+               torch.UntypedStorage, nn.Module(), torch.optim.SGD([torch.zeros(1,
+                                                                   requires_grad=True)])]
+    for obj in objects:
+        names = set(dir(obj)) | set(getattr(obj, "__dict__", {}))
+        found |= {n for n in names if n.startswith("_") and not n.startswith("__")}
+    return found
+
+
+def private_torch(modules) -> dict[str, str]:
+    """{private torch name: where zero first uses it}."""
+    attrs = _torch_private_attributes()
+    out: dict[str, str] = {}
+    for name, path, tree in modules:
+        if name != "zero" and not name.startswith("zero."):
+            continue
+        parts = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            if id(node) in parts:
+                continue  # (a part of a longer chain: the chain is counted once)
+            found = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                private_module = any(part.startswith("_") for part in node.module.split("."))
+                found = [f"{node.module}.{a.name}" for a in node.names
+                         if private_module or a.name.startswith("_")]
+            elif isinstance(node, ast.Attribute):
+                chain, inner = [node.attr], node.value
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name):
+                    chain.append(inner.id)
+                chain.reverse()
+                if chain[0] == "torch" and any(c.startswith("_") for c in chain):
+                    found = [".".join(chain)]
+                elif node.attr in attrs and not (isinstance(node.value, ast.Name)
+                                                 and node.value.id == "self"):
+                    found = [f"._{node.attr[1:]}"]
+            for f in found:
+                out.setdefault(f, f"{path.relative_to(ROOT)}:{node.lineno}")
+    return dict(sorted(out.items()))
+
+
 def measure() -> dict:
     modules = list(_modules("zero")) + list(_modules("zerolab"))
     classes = []
@@ -150,7 +204,7 @@ def measure() -> dict:
             branches += [f"{name}:{b}" for b in feature_branches(tree, path.read_text())]
     return {"largest_classes": [[n, c] for n, c in classes[:5]],
             "mutable_globals": mutables, "upward_imports": upward_imports(modules),
-            "core_feature_branches": branches}
+            "core_feature_branches": branches, "private_torch": private_torch(modules)}
 
 
 def main() -> None:
@@ -163,10 +217,11 @@ def main() -> None:
         print(f"  {n:3d}  {c}")
     for key, title in (("mutable_globals", "module-level mutable objects in zero/"),
                        ("upward_imports", "imports from a lower layer to a higher one"),
-                       ("core_feature_branches", "feature-specific branches in zero/core")):
+                       ("core_feature_branches", "feature-specific branches in zero/core"),
+                       ("private_torch", "private torch names zero/ uses (first use)")):
         print(f"{title}: {len(m[key])}")
         for item in m[key]:
-            print(f"  {item}")
+            print(f"  {item}" + (f"  {m[key][item]}" if isinstance(m[key], dict) else ""))
 
 
 if __name__ == "__main__":

@@ -317,6 +317,48 @@ def test_collectives_run_on_the_contexts_streams_in_fsdp2s_order():
         assert f"compute waits event {event}" in log[i:], event
 
 
+class _PlainCollectives:
+    """A comm policy written from zero/api.py alone, with Python's default repr (which holds
+    its address: different on every rank)."""
+
+    in_place_ok = True
+
+    def __init__(self, block: int):
+        from zero.comm.flat_collectives import FlatCollectives
+
+        self.block, self.inner = block, FlatCollectives()
+
+    def all_gather(self, *args, **kwargs):
+        return self.inner.all_gather(*args, **kwargs)
+
+    def reduce_scatter(self, *args, **kwargs):
+        return self.inner.reduce_scatter(*args, **kwargs)
+
+    def all_reduce(self, *args, **kwargs):
+        return self.inner.all_reduce(*args, **kwargs)
+
+
+def _plain_policy(rank, n, blocks):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    try:
+        zero.shard(model, stage=3, comm_policy=_PlainCollectives(blocks[rank]))
+    except ValueError as e:
+        return str(e)
+    model(torch.ones(2, 4)).sum().backward()
+    return "trained"
+
+
+def test_a_policy_with_pythons_default_repr_is_described_by_its_fields():
+    """Every rank built the same policy, and zero.shard said "Ranks shard different modules:
+    comm_policy differs" (rank 0: <...object at 0x7f..>; rank 1: <... at 0x7e..>). Policies
+    are now compared by class and fields; fields that differ still raise, naming them."""
+    assert run_ranks(_plain_policy, 2, (64, 64)) == ["trained", "trained"]
+    for message in run_ranks(_plain_policy, 2, (64, 128)):
+        assert "comm_policy differs" in message and "block=64" in message, message
+        assert "block=128" in message and " at 0x" not in message, message
+
+
 # ---- the shape --------------------------------------------------------------------------------
 
 
@@ -327,6 +369,11 @@ def test_the_mechanism_keeps_its_shape():
     assert shape["largest_classes"][0][0] <= 25, shape["largest_classes"]
     assert shape["mutable_globals"] == []
     assert shape["upward_imports"] == []
+    # every private torch name zero/ uses is in notes/15's table, with why
+    chapter = open(os.path.join(ROOT, "notes", "15-where-ideas-go.md")).read()
+    table = chapter[chapter.index("## The private torch machinery"):]
+    unlisted = [n for n in shape["private_torch"] if n.rsplit(".", 1)[-1].lstrip("_") not in table]
+    assert unlisted == [], unlisted
 
 
 def test_chapter_15_is_written_from_the_protocols_and_zeros_own_objects_fit_them(tmp_path):

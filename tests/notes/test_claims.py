@@ -77,16 +77,6 @@ def test_every_file_a_page_names_exists():
 
 
 # The README's layout table names each folder's files bare (`unit.py` in the `zero/core/` row).
-# Rows not yet moved to the new tree (issue 43, item 10: the lead's, after the seams work) are
-# listed here until they are: the test fails when one is fixed, so that the list only shrinks.
-LAYOUT_PENDING = {
-    ("zero/comm/", "quantized.py"), ("zero/comm/", "quantized_gradients.py"),
-    ("zero/comm/", "logging_backend.py"), ("zero/core/", "checks.py"),
-    ("zero/surface/", "agreement.py"), ("zero/surface/", "wrap.py"),
-    ("zero/surface/", "offload.py"), ("zero/surface/", "disk_offload.py"),
-    ("zero/surface/", "optimizers.py"), ("zero/surface/", "torch_hooks.py"),
-    ("zero/surface/", "state_dict.py"),
-}
 
 
 def layout_names() -> list[tuple[str, str]]:
@@ -107,8 +97,7 @@ def test_every_file_the_readme_layout_names_exists():
     names = layout_names()
     assert len(names) > 40
     stale = {(d, f) for d, f in names if not os.path.exists(os.path.join(ROOT, d, f))}
-    assert stale - LAYOUT_PENDING == set(), f"named in the README's layout, not there: {stale - LAYOUT_PENDING}"
-    assert LAYOUT_PENDING - stale == set(), f"fixed: remove from LAYOUT_PENDING {LAYOUT_PENDING - stale}"
+    assert stale == set(), f"named in the README's layout, not there: {stale}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -56,6 +56,45 @@ def test_optimizer_in_backward_trains_as_a_step_after_backward(stage, layout):
         assert all(torch.equal(p[k], h[k]) for k in p)
 
 
+def _one_parameter_units(rank, n, in_backward):
+    """Units of one parameter each, layout "whole": each unit lives on one rank, and the other
+    holds none of it; optimizer in backward, or one step after backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 2))
+    for unit in (model[0], model[2], model):
+        zero.shard(unit, stage=3, layout="whole")
+    calls, opts = [], {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+
+    def step(p):
+        calls.append(p.numel())
+        opts[p].step()
+        opts[p].zero_grad()
+
+    if in_backward:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+    for s in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        model(x).square().mean().backward()
+        if not in_backward:
+            for p in model.parameters():
+                step(p)
+    return zero.full_state_dict(model), len(calls)
+
+
+def test_optimizer_in_backward_with_layout_whole_steps_on_every_rank():
+    """A rank that holds none of a parameter gets no gradient, so its hook never ran and its
+    optimizer never marked the unit stepped: the next forward raised a Disagreement that
+    blamed the user. The hooks now run on every rank, as a step after backward does."""
+    plain = run_ranks(_one_parameter_units, 2, False)
+    hooked = run_ranks(_one_parameter_units, 2, True)
+    for (p, steps), (h, calls) in zip(plain, hooked):
+        assert calls == steps == 3 * 4  # every parameter's hook, on every rank, every backward
+        assert all(torch.equal(p[k], h[k]) for k in p)
+
+
 # ---- Lightning's model.to(device), the HF Trainer's register_fsdp_forward_method ------------
 
 

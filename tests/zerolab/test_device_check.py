@@ -14,4 +14,5 @@ def test_the_device_check_runs_its_checks_on_the_cpu(capsys):
     assert results["zero3 fp32 vs DDP, 2 ranks, gloo on device tensors"] is True
     assert sum("peak" in str(v) for v in results.values()) == 5  # zero1-3, CPU and disk offload
     assert not any("FAILED" in str(v) for v in results.values()), results
+    assert results["streams: a profiled ZeRO-3 step (CPU: no device kernels)"] is True
     assert "check" in capsys.readouterr().out

@@ -29,19 +29,18 @@ import tempfile
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zero import comm
 from zero.checkpoint import reader, validate
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
-from zero.core import placement, registry
+from zero.core import adoption, placement, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 from zero.core.rows import local_tensor
@@ -77,9 +76,9 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: keep is how many versions stay, 1 or more")
         check_optimizer(model, optimizer)
-    comm.agree(f"save a checkpoint in {path}, keeping {keep}", group=group, ctx=ctx,
-               fix="Call zero.save on every rank, with the same path: every rank writes its "
-                   "own chunks")
+    adoption.adopt_agreed(units, f"save a checkpoint in {path}, keeping {keep}",
+                          fix="Call zero.save on every rank, with the same path: every rank "
+                              "writes its own chunks")
     state = state_dict(model, optimizer)
     lock: list[int] = []  # rank 0's hold on the directory while it saves
 
@@ -193,7 +192,7 @@ def _model_state(model: nn.Module, units) -> dict:
     """FSDP2's model state dict: a Shard(0) DTensor per parameter, buffers as they are."""
     chunks = {}
     for unit in units:
-        mesh = mesh_of(unit.mesh.group, unit.sharded.device)
+        mesh = mesh_of(unit)
         for i, t in enumerate(flat_to_chunks(unit, unit.sharded)):
             chunks[unit, i] = to_dtensor(t, unit.layout.shapes[i], mesh)
     return {name: chunks[registry.unit_of(t), registry.index_of(t)] if registry.is_piece(t)
@@ -230,7 +229,7 @@ def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {names[params[i]]: dict(s) for i, s in saved["state"].items()}
     for unit in units:
-        mesh = mesh_of(unit.mesh.group, unit.sharded.device)
+        mesh = mesh_of(unit)
         for key, holders in _elementwise(unit, optimizer).items():
             shard = unit.sharded.new_zeros(unit.layout.shard_numel)  # laid out like the params
             for i in holders:
@@ -269,7 +268,7 @@ def first_names(model: nn.Module) -> dict[nn.Parameter, str]:
 def _on_rank0(ctx, what: str, fn: Callable, *args):
     """Run ``fn`` on rank 0; every rank returns its result or raises its error (never hangs)."""
     outcome = None
-    if dist.get_rank() == 0:
+    if ctx.rank() == 0:
         try:
             outcome = (True, fn(*args))
         except Exception as e:  # noqa: BLE001 (reported on every rank below)

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -56,9 +55,11 @@ def to_dtensor(chunk: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> torc
                               stride=stride)
 
 
-def mesh_of(group, device: torch.device) -> DeviceMesh:
-    """A 1-D mesh over an existing process group (no new communicator is created)."""
-    return DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+def mesh_of(unit) -> DeviceMesh:
+    """A 1-D mesh over the unit's process group (no new communicator is created; making a
+    mesh moves no data: notes/15)."""
+    group = unit.mesh.group or unit.root.context.backend.world()
+    return DeviceMesh.from_group(group, unit.sharded.device.type)
 
 
 def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:

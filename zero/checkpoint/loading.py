@@ -32,7 +32,7 @@ from zero.checkpoint import reader, validate, safe_pickle
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.dcp import PLACED_FIX, check_optimizer, entries_of, first_names, resident
 from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
-from zero.core import placement, registry
+from zero.core import adoption, placement, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 
@@ -59,8 +59,11 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         ValueError: it was saved from another model (names the keys and shapes that differ),
             or the optimizer does not hold the model's parameters.
     """
-    placement.refuse(units_of(model), "zero.load", PLACED_FIX, any_dim=True)
-    units, names, entries = units_of(model), first_names(model), entries_of(model)
+    units = units_of(model)
+    placement.refuse(units, "zero.load", PLACED_FIX, any_dim=True)
+    # (before entries_of puts its tensors in the slots: a replacement not adopted is dropped)
+    adoption.adopt_agreed(units, "load a checkpoint", fix="Call zero.load on every rank")
+    names, entries = first_names(model), entries_of(model)
     with_optim = optimizer is not None
     ctx = units[0].root.context
     found, meta, elementwise = _agreed(ctx, path, _checked, path, model, optimizer, units,
@@ -159,6 +162,7 @@ def _agreed(ctx, path: str, checks_: Callable, *args):
         raise mine
     failed = [(r, error) for r, (error, _) in enumerate(told) if error]
     if failed or len({f for _, f in told}) > 1:
+        assert value is not None  # (this rank's checks passed: it holds what they opened)
         value[0].close()
     if failed:
         rank, (kind, message) = failed[0]
@@ -201,15 +205,17 @@ def _load_units(found, meta, units, names, entries, elementwise, with_optim: boo
         if registry.is_piece(t):
             aliases.setdefault(t, []).append(k)
     state: dict = {}
+    # (names.get: a piece no module holds, a tie made after sharding, has no name, no state)
     for unit in units:
-        keys = sorted({k for p in unit.params for k in elementwise.get(names[p], ())}) if with_optim else []
+        keys = sorted({k for p in unit.params for k in elementwise.get(names.get(p), ())}
+                      if with_optim else ())
         shard = _read_unit(found, meta, unit, lambda p: [("model", k) for k in aliases.get(p, ())], state)
         unit.wait_unshard()  # stages 1/2: a gather of the old shard must not land after this
         unit.sharded.copy_(shard)
         unit.shard_changed()  # stages 1/2 re-gather their full parameters, stage 3 drops them
         del shard
         for key in keys:  # one read and one all-gather per unit and state key, like saving
-            owns = lambda p: key in elementwise.get(names[p], ())  # noqa: E731
+            owns = lambda p: key in elementwise.get(names.get(p), ())  # noqa: E731
             shard = _read_unit(found, meta, unit, lambda p: [("optim", "state", names[p], key)]
                                if owns(p) else [], state)
             for i, p in enumerate(unit.params):
@@ -223,7 +229,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
     parameters, or one state key of them): DCP reads this rank's FSDP2 chunk of each, into a
     buffer of that size, by itself (every record is verified: no collective to plan it), then
     one all-gather of the unit turns the chunks into our shard."""
-    mesh = mesh_of(unit.mesh.group, unit.sharded.device)
+    mesh = mesh_of(unit)
     template: dict = {}
     chunks: list = []
     for p, shape in zip(unit.params, unit.layout.shapes):
@@ -258,10 +264,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _checked_optim(ckpt: str, saved: dict) -> dict:
+def _checked_optim(ckpt: str, saved: dict) -> list:
     """The optimizer's param groups as DCP loaded them, refused by name unless each is a dict
     of options with its ``params`` a list of parameter names."""
     groups = saved.get("param_groups")
+    problem: str | None = None
     if not isinstance(groups, list) or not groups:
         problem = f"its param_groups are a {type(groups).__name__}, not a list of groups"
     else:
@@ -273,10 +280,11 @@ def _checked_optim(ckpt: str, saved: dict) -> dict:
     if problem:
         raise RuntimeError(f"checkpoint {ckpt} is corrupt: its optimizer's {problem}; load an "
                            "earlier checkpoint")
+    assert isinstance(groups, list)
     return groups
 
 
-def _groups(optimizer, names, saved_groups: list) -> list:
+def _groups(optimizer, names, saved_groups) -> list:
     """Our param groups, each with the checkpoint's options of the group of the same params."""
     index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     groups = []

@@ -180,6 +180,7 @@ class Planner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        assert self.metadata is not None  # (set by DCP before it loads anything)
         where = f"{fqn} (in {self.metadata.storage_data[read_item.storage_index].relative_path})"
         try:
             obj = torch.load(value, weights_only=True)

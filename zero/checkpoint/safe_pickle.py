@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from typing import Any, ClassVar
 from pathlib import PurePosixPath, PureWindowsPath
 
 import torch
@@ -153,7 +154,7 @@ class _Unpickler(pickle._Unpickler):
     """The pure-Python unpickler (a dict memo), handing out only ``ALLOWED``, hashing only
     small keys (see the notes)."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     # (the pure-Python unpickler starts a new stack at each MARK: the items are the stack)
     for _op, _keys in ((pickle.SETITEM, lambda s: s[-2:-1]), (pickle.SETITEMS, lambda s: s[0::2]),
                        (pickle.DICT, lambda s: s[0::2]), (pickle.ADDITEMS, lambda s: s),
@@ -206,7 +207,8 @@ class _DryRun(_Unpickler):
 
     def __init__(self, data: bytes, where: str):
         super().__init__(io.BytesIO(data), where)
-        self.budget, self.tuples = len(data), {}
+        self.budget = len(data)
+        self.tuples: dict[int, tuple] = {}  # id -> (the tuple, its depth, its parts)
 
     def find_class(self, module: str, name: str):
         return _Opaque
@@ -225,7 +227,7 @@ class _DryRun(_Unpickler):
                 "holds unshared")
         self.tuples[id(t)] = (t, depth, count)  # (holding t: its id stays its own)
 
-    dispatch = dict(_Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Any]] = dict(_Unpickler.dispatch)
     for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
         dispatch[_op[0]] = (lambda load: lambda self: (load(self), self._tuple_checked()))(
             dispatch[_op[0]])

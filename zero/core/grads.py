@@ -197,9 +197,9 @@ class Gradient:
         for i, sp in enumerate(self.sharded_params):
             if not used[i]:
                 continue  # unused everywhere: grad stays None, as in DDP
-            g = self._exposed_piece(shard, i)
-            if g is not None:
-                sp.accumulate_grad(g)
+            # (None: this rank holds none of it, layout "whole"; its hooks still run, as an
+            # optimizer's step runs on every rank: torchtune's step in a hook marks the unit)
+            sp.accumulate_grad(self._exposed_piece(shard, i))
 
     # [Note: zero_grad under no_sync] DDP keeps a no_sync micro-batch's gradient in p.grad,
     # so opt.zero_grad() discards it. Ours waits in the unit's full flat gradient, which no

@@ -44,16 +44,44 @@ def converted_after_sharding(unit) -> None:
     data for a converted copy that the unit no longer owns: say so before computing."""
     key = _key(unit.sharded)
     for p, locs in zip(unit.params, unit.locations):
+        if not locs:
+            continue  # a piece no module uses (a tie made after sharding: zero/core/adoption.py)
         mod, attr = locs[0]
+        if p.is_meta and not unit.sharded.is_meta:  # shown on meta (zero.fully_shard on
+            on_meta(unit, moved=False)  # meta), never given values; (a shard an offload policy
+            # keeps on meta is the policy's: the plan's host)
         if (mod._parameters.get(attr) is not p or p.dtype != unit.sharded.dtype
                 or p.device != unit.sharded.device or _key(values(p)) != key):
-            raise RuntimeError(
-                f"the parameters of unit {unit.name} were converted after zero.shard "
-                f"(now {p.dtype} on {p.device}, sharded as {unit.sharded.dtype} on "
-                f"{unit.sharded.device}): model.to(), .half(), .double() or .cuda() after "
-                "sharding detach them from their shard. Convert the model before "
-                "zero.shard, or compute in another dtype with "
-                "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
+            converted(unit, p)
+
+
+def converted(unit, p) -> None:
+    raise RuntimeError(
+        f"the parameters of unit {unit.name} were converted after zero.shard "
+        f"(now {p.dtype} on {p.device}, sharded as {unit.sharded.dtype} on "
+        f"{unit.sharded.device}): model.to(), .half(), .double() or .cuda() after "
+        "sharding detach them from their shard. Convert the model before "
+        "zero.shard, or compute in another dtype with "
+        "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
+
+
+def on_meta(unit, moved: bool) -> None:
+    """The unit's parameters are on the meta device: never given values (sharded there), or
+    ``moved`` there after sharding. FSDP2 refuses the first at lazy init too."""
+    if not moved:
+        raise RuntimeError(
+            f"the parameters of unit {unit.name} are still on the meta device: the model was "
+            "sharded there and never given values. Before the first forward, call "
+            "model.to_empty(device=...) and initialise it (each module's reset_parameters(), "
+            "or zero.init_parameters), or load full weights with load_state_dict(sd, "
+            "assign=True); a load_state_dict without assign=True copies into tensors on meta, "
+            "which keeps nothing (torch warns so)")
+    raise RuntimeError(
+        f"the parameters of unit {unit.name} were moved to the meta device after zero.shard "
+        "(model.to('meta')): the module no longer computes with its shards, which keep their "
+        "values where they are. Leave a sharded model where it is; to start from no values, "
+        "build the model on the meta device and shard it there, then zero.init_parameters "
+        "(or model.to_empty and reset_parameters) or a load")
 
 
 def replaced_in_forward(unit) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from zero.core import guards
+from zero.core import adoption, guards
 from zero.core.root import root_of
 from zero.core.state import ShardedState
 from zero.core.state import TrainingState as State
@@ -122,6 +122,7 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
 
 def pre_backward(unit, grad: torch.Tensor) -> None:
     if unit.iteration.state is not State.PRE_BACKWARD:  # the first of its outputs reached
+        adoption.refuse_before_backward(unit)  # a parameter replaced since forward
         root = root_of(unit)
         root.free_deferred(but=unit)
         unit.iteration.backward_task = torch._C._current_graph_task_id()

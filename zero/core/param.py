@@ -72,6 +72,14 @@ class ShardedParam:
     def use_sharded(self) -> None:
         self.use(self.sharded)
 
+    def take_slots(self, other: "ShardedParam", slots: list) -> None:
+        """``slots`` of ``other`` now hold this parameter (a tie made after sharding): they
+        become this parameter's, as a tie made before sharding is one parameter in several
+        places (``zero/core/adoption.py``). ``other`` keeps the rest of its slots, if any;
+        with none left, its piece of the shard is unused."""
+        other.locations = [loc for loc in other.locations if loc not in slots]
+        self.locations = self.locations + [loc for loc in slots if loc not in self.locations]
+
     def adopt(self, new: torch.Tensor, piece: torch.Tensor, exposed: torch.Tensor,
               unit: str) -> nn.Parameter:
         """``new`` replaced this parameter in the module: take its values into ``piece`` (this
@@ -114,15 +122,20 @@ class ShardedParam:
         self.sharded = new
         return new
 
-    def accumulate_grad(self, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, grad: torch.Tensor | None) -> None:
         """This rank's piece of the reduced gradient: into ``sharded.grad`` (added to what is
         there), then the parameter's post-accumulate-grad hooks, with the sharded parameter,
         as FSDP2 runs them after its reduce-scatter. Autograd never reaches ``sharded`` (the
         module computes with views of the unit's flat buffer), so it never runs them itself;
         an optimizer stepped in such a hook (torchtune's ``optimizer_in_bwd``) would
-        otherwise train nothing."""
+        otherwise train nothing. ``grad`` None: this rank holds none of the parameter (layout
+        "whole"); the hooks run all the same, on every rank, with ``.grad`` as it is (None
+        unless set before), as ``opt.step()`` runs on every rank: a step in the hook then
+        marks the unit stepped on every rank, and the next forward agrees."""
         p = self.sharded
-        if p.grad is None:
+        if grad is None:
+            pass
+        elif p.grad is None:
             p.grad = grad
         else:
             p.grad += grad

@@ -18,7 +18,8 @@ import torch.nn as nn
 
 
 def mark_piece(piece: nn.Parameter, unit, index: int) -> None:
-    piece._zero_unit, piece._zero_index = unit, index
+    setattr(piece, "_zero_unit", unit)  # (marks on torch's objects: set by name)
+    setattr(piece, "_zero_index", index)
 
 
 def unit_of(param):
@@ -28,7 +29,7 @@ def unit_of(param):
 
 def index_of(param) -> int:
     """Which of its unit's parameters ``param`` is (``unit.params[i]``)."""
-    return param._zero_index
+    return getattr(param, "_zero_index")
 
 
 def piece_of(param):
@@ -43,7 +44,7 @@ def is_piece(param) -> bool:
 
 
 def attach(module: nn.Module, units: list) -> None:
-    module._zero_units = units
+    setattr(module, "_zero_units", units)
 
 
 def units_on(module: nn.Module) -> list:
@@ -66,7 +67,7 @@ def units_of(model: nn.Module) -> list:
 
 
 def mark_replaced(original: nn.Parameter, unit) -> None:
-    original._zero_replaced = unit
+    setattr(original, "_zero_replaced", unit)
 
 
 def replaced_by(param):
@@ -75,7 +76,7 @@ def replaced_by(param):
 
 
 def mark_ignored(param: nn.Parameter) -> None:
-    param._zero_ignored = True
+    setattr(param, "_zero_ignored", True)
 
 
 def is_ignored(param) -> bool:

@@ -27,15 +27,19 @@ The root's duties live in one ``Root`` object, which each unit points at (``unit
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from zero import comm
-from zero.core import registry
+from zero.core import adoption, registry, running_stats
 from zero.core.reductions import Reductions
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
 from zero.core.state import TrainingState
+
+if TYPE_CHECKING:
+    from zero.core.unit import Unit
 
 GIVEN = ("backend", "prefetch", "schedule")  # what a root's zero.shard decides for every unit
 
@@ -71,7 +75,7 @@ class Root:
 
     def __init__(self, context, given: dict):
         self.context, self.given = context, given
-        self.unit = None  # the top unit (zero.shard sets it; a parent's call takes it over)
+        self.unit: Unit = None  # type: ignore[assignment]  # the top unit: zero.shard's add()
         self.members: list = []  # every unit pointing here, as zero.shard made them
         self._units: list | None = None
         self._guard: Guard | None = None
@@ -149,6 +153,7 @@ class Root:
             for unit, names in paths.items():  # a unit of several modules: "tok_emb+head"
                 unit.rename("+".join(names) + (" (frozen)" if unit.sibling_of else ""))
                 self._units.append(unit)
+            running_stats.warn_if_they_drift(self.unit)  # once: BatchNorm's buffers drift
         return self._units
 
     @property
@@ -229,9 +234,9 @@ class Root:
         elif stuck:  # the previous forward raised: its gradients were never computed
             self.reset(discard_gradients=False)
         written = [u for u in self.units if u.shard_written()]
-        comm.agree(self._since_last_forward(written), group=self.unit.mesh.all_group,
-                   ctx=self.context, device=self.unit.unsharded.device,
-                   fix="Every rank must run the same forward and backward passes, under the same "
+        comm.agree(self._since_last_forward(written) + adoption.pending(self.units),
+                   group=self.unit.mesh.all_group, ctx=self.context,
+                   device=self.unit.unsharded.device,                   fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
                        "value every rank shares (a norm from zero.clip_grad_norm_). An evaluation "
@@ -309,7 +314,7 @@ class Root:
             work = self.context.all_reduce(flags, op="max", group=self.unit.mesh.all_group,
                                            unit="root", phase="backward", async_op=True)
         self.reductions.wait(synced)
-        if work is not None:
+        if work is not None and flags is not None:
             work.wait()
             used = [bool(f) for f in flags.tolist()]
         offset = 0

@@ -12,6 +12,8 @@ on every rank, naming what differs first.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from zero import comm
@@ -30,6 +32,21 @@ def check_same_description(desc: list, group, ctx) -> None:
     except ValueError as e:  # every rank is here: name what differs first, then the rest
         raise ValueError(f"Ranks shard different modules: {first_difference(desc, group, ctx)}. "
                          f"Build {AGREED}. (In full: {e})") from None
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # Python's default repr: where it lives
+
+
+def describe(policy, depth: int = 2) -> str:
+    """A policy in words the ranks can compare: its class and fields if its class wrote no
+    ``__repr__`` (Python's default names the object's address, which differs on every rank,
+    and would read as ranks sharding different modules); else its repr, any address in it
+    (an inner object's) left out."""
+    kind = type(policy)
+    if kind.__repr__ is object.__repr__ and hasattr(policy, "__dict__") and depth > 0:
+        fields = ", ".join(f"{k}={describe(v, depth - 1)}" for k, v in sorted(vars(policy).items()))
+        return f"{kind.__module__}.{kind.__qualname__}({fields})"
+    return _ADDRESS.sub("", repr(policy))
 
 
 _FIELDS = ["the modules' classes", "stage", "mp_policy", "reshard_after_forward",

@@ -18,7 +18,7 @@ stands aside: a copy cannot be freed under it.
 from __future__ import annotations
 
 import torch
-from torch._C._autograd import (
+from torch._C._autograd import (  # type: ignore[attr-defined]
     _pop_saved_tensors_default_hooks,
     _push_saved_tensors_default_hooks,
     _saved_tensors_hooks_is_enabled,

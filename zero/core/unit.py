@@ -50,8 +50,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from zero import api
 from zero.comm.flat_collectives import DEFAULT as EXACT
-from zero.core import guards, registry
+from zero.core import adoption, guards, registry
 from zero.core.config import MeshInfo, UnitConfig
 from zero.core.flat import LocalShard
 from zero.core.grads import Gradient
@@ -65,7 +66,7 @@ class AllGather(NamedTuple):
     what must stay alive until the computing stream has waited for it (``zero/comm/context.py``'s
     note on streams): the tensors its side streams and the collective read and write."""
 
-    work: object  # its handle: the full parameters are readable after ``wait()``
+    work: api.Work  # its handle: the full parameters are readable after ``wait()``
     phase: str
     event: object  # recorded on the all-gather stream once issued (None on the CPU)
     buffers: tuple  # the shard it reads (a host-to-device copy, say), the buffer it fills
@@ -164,25 +165,12 @@ class Unit:
 
     def adopt_replaced(self) -> None:
         """Parameters a client put in the module after sharding (``load_state_dict(sd,
-        assign=True)``: torchtune, accelerate; ``setattr``: transformers): their values go into
-        the shard, and each new parameter becomes this rank's piece (FSDP2's
-        ``reset_sharded_param``), so an optimizer built from them steps the shard. What cannot
-        be adopted raises, naming what differs."""
+        assign=True)``: torchtune, accelerate; ``setattr``: transformers; a tie, HF's
+        ``tie_weights()``): adopted as FSDP2's ``reset_sharded_param`` does, or refused by
+        name (``zero/core/adoption.py``)."""
         if self.iteration.state is not TrainingState.IDLE:
             return  # (views are in the slots while the unit computes)
-        adopted = False
-        for sp in self.sharded_params:
-            new = next((t for mod, attr in sp.locations
-                        if (t := mod._parameters.get(attr)) is not sp.sharded), None)
-            if new is None:
-                continue
-            self.wait_unshard()  # (a stage 1/2 gather may still read the shard)
-            piece = self.local.piece(self.sharded, sp.index)
-            shown = sp.adopt(new, piece, self.exposed_piece(self.sharded, sp.index), self.name)
-            registry.mark_piece(shown, self, sp.index)
-            sp.use_sharded()
-            adopted = True
-        if adopted:
+        if adoption.adopt_replaced(self):
             self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
 
     def params_on_meta(self) -> None:
@@ -271,6 +259,7 @@ class Unit:
         streams = ctx.streams(self.unsharded.device)
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # from the smaller group
             mesh = self.mesh.post_forward
+            assert mesh is not None and self._post_forward_shard is not None  # (its state says)
             source, group, slot = self._post_forward_shard, mesh.group, mesh.slot(
                 self.layout.padded_numel)
             self._post_forward_shard = None
@@ -318,6 +307,7 @@ class Unit:
         (the collective itself by ``wait()``), and what it read and wrote may go."""
         if self.sharded_state is ShardedState.GATHERING:
             gathering, self._gathering = self._gathering, None
+            assert gathering is not None  # (GATHERING: a gather is in flight)
             self.root.context.streams(self.unsharded.device).wait(gathering.event)
             gathering.work.wait()
             self.sharded_state = ShardedState.UNSHARDED

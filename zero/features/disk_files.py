@@ -8,31 +8,54 @@ so its files are held to what a checkpoint is held to:
 - a read checks the file's length and a CRC-32 of its bytes against what was written: a bit
   flipped, a file truncated, lengthened or overwritten is a named error, never a step on
   wrong moments;
-- the directory is this process's own (``zero-optimizer-state-*``, with a mark naming the
-  process and host), removed when the store goes, on SIGTERM (torchrun's way of stopping a
-  failed job's workers; the handler then calls the one it replaced), and, where a process
-  died without cleaning up (SIGKILL, the OOM killer), by the next store made in the same
-  directory on the same host: only directories with a mark whose process is gone.
+- the directory is this process's own (``zero-optimizer-state-*``), and is removed when the
+  store goes (the optimizer is collected, or the interpreter exits, ``sys.exit`` from a
+  signal handler included).
+
+[Note: who may delete a directory] Nothing is deleted that may still be needed:
+
+- A process that dies without cleaning up (SIGKILL, the OOM killer) leaves its directory, and
+  the next store made in the same directory reclaims it. "Dead" is not asked of a process
+  id: a job in another container on the same host (``docker --network=host``, a k8s
+  ``hostNetwork`` pod) shares the host name and the directory but not the PID namespace, and
+  would find a live owner "gone". Each store holds an exclusive ``flock`` on its mark file
+  for as long as it lives; the kernel drops it when the last descriptor closes, at death
+  whatever the cause, and a reclaim removes a directory only if it can take that lock. (The
+  host named in the mark stays a second condition: ``flock`` on some network file systems is
+  local to one machine.)
+- SIGTERM belongs to the program. One with its own handler (a preemption flag the loop
+  checks before ``zero.save``: SLURM's time limit, spot instances, Lightning's requeue) or
+  that ignores it keeps its state: zero installs a handler only where SIGTERM's action is the
+  default, death (torchrun stopping a failed job's workers), or is zero's own (a second
+  store chains its handler to the first's), and there removes this process's directories,
+  then dies of the signal as it would have. Where it is not zero's handler in force (the
+  program installed one later, which calls it on), it does nothing: the program decides, as
+  it would with no handler before its own. Each store's directory is known to its own
+  handler only (a closure): nothing here is a table every store writes to.
+- Marks are read as untrusted input: the directory is shared, and a planted mark (a named
+  pipe, a link to ``/dev/zero``, a number too large for a pid) must neither hang, exhaust
+  memory nor raise. A mark is opened without following links or blocking, must be a regular
+  file of this user and at most ``_MARK_BYTES`` long, and anything else is skipped: not ours.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import weakref
 import zlib
 
 PREFIX = "zero-optimizer-state-"
-MARK = ".zero-optimizer-state"  # in each directory a store makes: "<pid> <host>"
-
-# The directories this process made and has not removed yet: the SIGTERM handler removes
-# them. (A signal handler is process-wide by nature; so is this list.)
-_LIVE: set[str] = set()
-_HANDLER_LOCK = threading.Lock()
+MARK = ".zero-optimizer-state"  # in each directory a store makes: "<pid> <host>", flock-ed
+_MARK_BYTES = 256  # "<pid> <host>\n": a Linux host name has at most 64 bytes
+_OPEN_UNTRUSTED = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_HANDLER_LOCK = threading.Lock()  # (two stores made at once install their handlers in turn)
 
 
 class StateFileError(RuntimeError):
@@ -43,20 +66,18 @@ class StateFiles:
     """A fresh directory of state files under ``directory``, written and read checked.
 
     Args:
-        directory: where to make it (a local SSD, say); stale directories of dead processes
-            found there are removed first.
+        directory: where to make it (a local SSD, say); directories that dead stores left
+            there are removed first (the module note).
     """
 
     def __init__(self, directory: str):
         os.makedirs(directory, exist_ok=True)
         self.reclaimed = reclaim(directory)
         self.root = tempfile.mkdtemp(prefix=PREFIX, dir=directory)
-        with open(os.path.join(self.root, MARK), "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+        self._mark = _hold(self.root)  # the lock that says "alive" until this process dies
         self.written: dict[str, tuple[int, int]] = {}  # path -> (bytes, CRC-32)
-        _LIVE.add(self.root)
-        _handle_sigterm()
-        weakref.finalize(self, _remove, self.root)
+        _handle_sigterm(self.root, os.getpid())
+        weakref.finalize(self, _remove, self.root, self._mark, os.getpid())
 
     def write(self, path: str, data) -> None:
         """Write ``data`` (a buffer of bytes) to ``path`` whole, or raise ``StateFileError``."""
@@ -80,14 +101,16 @@ class StateFiles:
         """Fill ``data`` with the file at ``path``, checked against what was written."""
         view = memoryview(data).cast("B")
         size, crc = self.written[path]
-        with open(path, "rb", buffering=0) as f:
-            length = os.fstat(f.fileno()).st_size
+        fd = os.open(path, _OPEN_UNTRUSTED)  # (a file swapped for a pipe must not block)
+        with open(fd, "rb", buffering=0) as f:
+            info = os.fstat(fd)
+            length = info.st_size if stat.S_ISREG(info.st_mode) else -1
             got = f.readinto(view) if length == size else -1
         if length != size or got != size:
             raise StateFileError(
                 f"the optimizer state file {path} has {length} bytes, but {size} were written "
-                "to it: it was changed on disk, and the state is lost. Resume from a "
-                "checkpoint (zero.load)")
+                "to it (-1: it is no longer a regular file): it was changed on disk, and the "
+                "state is lost. Resume from a checkpoint (zero.load)")
         if zlib.crc32(view) != crc:
             raise StateFileError(
                 f"the optimizer state file {path} does not hold what was written to it (its "
@@ -99,59 +122,105 @@ class StateFiles:
         os.remove(path)
 
 
+def _hold(root: str) -> int:
+    """Write ``root``'s mark and lock it for this process's life; returns its descriptor. The
+    mark gets its name only once locked, so a reclaim never finds it unlocked and alive."""
+    making = os.path.join(root, MARK + ".making")
+    fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (nobody else has it open yet)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    os.rename(making, os.path.join(root, MARK))
+    return fd
+
+
 def reclaim(directory: str) -> list[str]:
-    """Remove the directories under ``directory`` that a store of a process now dead made on
-    this host (its mark says which); returns them. Nothing without a mark is touched."""
-    host, gone = socket.gethostname(), []
+    """Remove the directories under ``directory`` that a store made on this host and whose
+    owner is dead (its lock on the mark is free); returns them. Nothing else is touched."""
+    gone = []
     for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not name.startswith(PREFIX) or os.path.islink(path) or not os.path.isdir(path):
+        if not name.startswith(PREFIX):
             continue
-        try:
-            with open(os.path.join(path, MARK)) as f:
-                pid, mark_host = f.read().split()
-            pid = int(pid)
-        except (OSError, ValueError):
-            continue  # not one of ours, or one being made
-        if mark_host == host and pid != os.getpid() and not _alive(pid):
+        path = os.path.join(directory, name)
+        fd = _take_if_abandoned(path)
+        if fd is None:
+            continue
+        try:  # (under the lock: a second reclaim at the same time skips it)
             shutil.rmtree(path, ignore_errors=True)
-            gone.append(path)
+        finally:
+            os.close(fd)
+        gone.append(path)
     return gone
 
 
-def _alive(pid: int) -> bool:
+def _take_if_abandoned(path: str) -> int | None:
+    """The descriptor of ``path``'s mark, locked by us, if ``path`` is a directory a store of
+    this user made on this host and its owner is dead; else None (the module note)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's: alive
-    return True
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # not a directory (a link to one included)
+    try:
+        if not stat.S_ISREG(os.stat(MARK, dir_fd=folder, follow_symlinks=False).st_mode):
+            return None  # (a pipe or a device is not even opened)
+        fd = os.open(MARK, _OPEN_UNTRUSTED, dir_fd=folder)
+    except OSError:
+        return None  # no mark: not a store's, or one being made
+    finally:
+        os.close(folder)
+    try:
+        info = os.fstat(fd)
+        if (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+                and info.st_size <= _MARK_BYTES and _ours(os.read(fd, _MARK_BYTES))):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused while the owner lives
+            return fd
+    except OSError:
+        pass  # locked: alive, in this PID namespace or another
+    os.close(fd)
+    return None
 
 
-def _remove(root: str) -> None:
-    _LIVE.discard(root)
-    shutil.rmtree(root, ignore_errors=True)
+def _ours(mark: bytes) -> bool:
+    """Whether a mark reads "<pid> <this host>", the pid one a process can have, and not
+    this process's (its own live directories: NFS emulates flock with locks a process shares
+    with itself, so its own lock would not keep it from taking them)."""
+    words = mark.decode("ascii", errors="replace").split()
+    return (len(words) == 2 and words[0].isascii() and words[0].isdigit()
+            and len(words[0]) <= 10 and int(words[0]) < 2**31 and words[1] == socket.gethostname()
+            and int(words[0]) != os.getpid())
 
 
-def _handle_sigterm() -> None:
-    """Install the SIGTERM handler once (from the main thread: elsewhere Python refuses, and
-    a reclaim by the next run is what remains)."""
+def _remove(root: str, mark: int, owner: int) -> None:
+    """Remove ``root`` and drop its lock, if this process made it (a forked child has a copy
+    of the descriptor and the finalizer: the directory is its parent's)."""
+    try:
+        if os.getpid() == owner:
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        os.close(mark)
+
+
+def _handle_sigterm(root: str, owner: int) -> None:
+    """Install a SIGTERM handler for ``root`` where SIGTERM would kill the process or is
+    zero's own (the module note); from the main thread only (elsewhere Python refuses, and
+    the reclaim remains)."""
     if threading.current_thread() is not threading.main_thread():
         return
     with _HANDLER_LOCK:
         previous = signal.getsignal(signal.SIGTERM)
-        if getattr(previous, "_zero_state_files", False):
-            return
+        if previous is not signal.SIG_DFL and not getattr(previous, "_zero_state_files", False):
+            return  # the program's own handler, SIG_IGN, or a C handler: the program decides
 
         def on_sigterm(signum, frame):
-            for root in list(_LIVE):
-                _remove(root)
+            if not getattr(signal.getsignal(signal.SIGTERM), "_zero_state_files", False):
+                return  # called on by a handler installed after ours: the program decides
+            if os.getpid() == owner:  # (a forked child: the directory is its parent's)
+                shutil.rmtree(root, ignore_errors=True)
             if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:  # the default: die of SIGTERM, as without us
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                previous(signum, frame)  # the store made before this one: its directory
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die of it, as without us
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        on_sigterm._zero_state_files = True
+        on_sigterm._zero_state_files = True  # type: ignore[attr-defined]
         signal.signal(signal.SIGTERM, on_sigterm)

@@ -61,6 +61,8 @@ class DiskOffload(CPUOffload):
         pin_memory: as ``CPUOffload``'s.
     """
 
+    directory: str  # (set once in __init__: the dataclass is frozen)
+
     def __init__(self, directory: str | os.PathLike, pin_memory: bool = True):
         super().__init__(pin_memory=pin_memory)
         object.__setattr__(self, "directory", os.fspath(directory))
@@ -186,6 +188,7 @@ class StateStore:
     def put_back(self, optimizer, unit, params: list, buf: torch.Tensor | None) -> None:
         """Give the optimizer the unit's state, as views into ``buf``."""
         for p, key, dtype, shape, offset in self.index.get(unit, ()):
+            assert buf is not None  # (a unit with state in its index has a file)
             nbytes = shape.numel() * dtype.itemsize
             optimizer.state[p][key] = buf[offset:offset + nbytes].view(dtype).view(shape)
         for p in params:
@@ -274,6 +277,7 @@ class StateStore:
         try:
             for k, (unit, params) in enumerate(pieces):
                 self.failed = unit  # (until its state is taken out again)
+                assert ahead is not None  # (pieces is not empty here)
                 buf, current = ahead.result(), params
                 if k + 1 < len(pieces):  # the next unit's read overlaps this unit's step
                     ahead = self._submit(self.read, pieces[k + 1][0])

@@ -41,7 +41,8 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from zero.core import registry
+from zero import comm
+from zero.core import adoption, registry
 from zero.core.guards import state_dict_access_granted
 from zero.core.optimizers import NO_LAYOUT, WHOLE_TENSOR, ELEMENTWISE
 
@@ -71,7 +72,7 @@ def install(modules: list[nn.Module]) -> None:
             module.register_state_dict_pre_hook(_state_dict_pre_hook)
             module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
             module.register_load_state_dict_post_hook(_adopt_after_load)
-            module._zero_state_dict_hooks = True
+            setattr(module, "_zero_state_dict_hooks", True)
 
 
 def watch(root) -> None:
@@ -103,7 +104,7 @@ def serve(optimizer) -> None:
 
 
 def units_of_optimizer(optimizer) -> list:
-    units = {}  # ordered, deduplicated: the same order on every rank
+    units: dict = {}  # ordered, deduplicated: the same order on every rank
     for group in optimizer.param_groups:
         for p in group["params"]:
             if registry.replaced_by(p) is not None:
@@ -260,9 +261,17 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
 
 def _adopt_after_load(module, incompatible_keys) -> None:
     """``load_state_dict(sd, assign=True)`` put new parameters in the module (FSDP2's clients'
-    usual loading): the units adopt them (``Unit.adopt_replaced``) before anything else runs."""
-    if not state_dict_access_granted():  # (zero's own loads put views there on purpose)
-        for unit in registry.units_on(module):
+    usual loading): the units adopt them (``Unit.adopt_replaced``) before anything else runs,
+    once the ranks agree that they all replaced the same (zero/core/adoption.py's note)."""
+    units = registry.units_on(module)
+    if units and not state_dict_access_granted():  # (zero's own loads put views there)
+        comm.agree(f"adopt what load_state_dict put in {type(module).__name__}"
+                   f"{adoption.pending(units)}", group=units[0].mesh.all_group,
+                   ctx=units[0].root.context,
+                   fix="Call load_state_dict on every rank, with the same kind of values "
+                       "(assign=True everywhere, or nowhere), so that every rank adopts the "
+                       "same parameters")
+        for unit in units:
             unit.adopt_replaced()
 
 

@@ -5,19 +5,22 @@ Both put full-size tensors where the modules use their parameters and let torch'
 unsharded model's: tied parameters under every name that uses them, persistent buffers,
 extra state, whatever the model's state-dict hooks add (as FSDP2's
 ``get_model_state_dict(..., full_state_dict=True)``). Out: each unit's shard is all-gathered
-(collective: call on every rank). In: each rank copies its own pieces out of the full tensors
-(no communication), and the full parameters are refreshed from the new shards.
+(collective: call on every rank). In: the same gather first, so that torch overwrites only
+what the dict holds (``strict=False`` keeps the rest, as on a plain module), then each rank
+copies its own pieces out of the full tensors, and the full parameters are refreshed from
+the new shards.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from zero import comm
-from zero.core import placement, same_model
+from zero.core import adoption, placement, same_model
 from zero.core.guards import state_dict_access
-from zero.core.registry import units_of
+from zero.core.registry import is_piece, units_of
 
 
 # A tensor-parallel parameter's shards are of its tp-local tensor, not of the whole one.
@@ -30,21 +33,26 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
     placement.refuse(units, "zero.full_state_dict", TP_FIX)
-    comm.agree("gather a full state dict", group=units[0].mesh.all_group, ctx=units[0].root.context,
-               fix="Call zero.full_state_dict on every rank (it is collective), then keep what "
-                   "you need on rank 0")
+    adoption.adopt_agreed(units, "gather a full state dict",
+                          fix="Call zero.full_state_dict on every rank (it is collective), then "
+                              "keep what you need on rank 0")
     try:
         for unit in units:
-            flat = unit.sharded.new_empty(unit.layout.padded_numel)
-            # (S,) per rank -> (N*S,): the master weights, whole
-            comm.all_gather(flat, unit.sharded, group=unit.mesh.group, unit=unit.name, phase="other",
-                            ctx=unit.root.context)
-            unit.use(unit.layout.views(unit.layout.from_wire(flat)))  # (rows: copied out)
+            unit.use(unit.layout.views(_gathered(unit)))
         with state_dict_access():
             return model.state_dict()
     finally:
         for unit in units:
             unit.use_sharded_params()
+
+
+def _gathered(unit) -> torch.Tensor:
+    """The unit's parameters whole, laid out as it computes with them (rows: copied out)."""
+    flat = unit.sharded.new_empty(unit.layout.padded_numel)
+    # (S,) per rank -> (N*S,): the master weights, whole
+    comm.all_gather(flat, unit.sharded, group=unit.mesh.group, unit=unit.name, phase="other",
+                    ctx=unit.root.context)
+    return unit.layout.from_wire(flat)
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True,
@@ -53,26 +61,30 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
 
     Args:
         model: the sharded model; state_dict: its full state, keyed as ``full_state_dict``.
-        strict: as ``nn.Module.load_state_dict``'s.
+        strict: as ``nn.Module.load_state_dict``'s; with False, what the dict lacks keeps
+            its value.
         broadcast_from_rank0: FSDP2's name: only rank 0's ``state_dict`` is read (the others
-            may pass ``{}``), and each unit's full parameters, then the buffers, are sent to
-            every rank from it, one unit at a time. Without it every rank must pass the same
-            values: ranks whose values differ raise, on every rank (a model half rank 0's
-            weights and half each rank's initial values would train silently otherwise).
+            may pass ``{}``), and each unit's full parameters, then the parameters no unit
+            shards (``ignored_params``, modules without a unit) and the buffers, are sent to
+            every rank from it. Without it every rank must pass the same values: ranks whose
+            values differ raise, on every rank (a model half rank 0's weights and half each
+            rank's initial values would train silently otherwise).
 
-    Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys).
+    Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys), on every
+    rank (with ``broadcast_from_rank0``, rank 0's, as FSDP2's ``set_model_state_dict``).
     """
     units = units_of(model)
     placement.refuse(units, "zero.load_full_state_dict", TP_FIX)
     group, ctx = units[0].mesh.all_group, units[0].root.context
-    comm.agree(f"load a full state dict (broadcast_from_rank0={broadcast_from_rank0})",
-               group=group, ctx=ctx, fix="Call zero.load_full_state_dict on every rank, with "
-                                         "the same broadcast_from_rank0")
+    adoption.adopt_agreed(units, f"load a full state dict (broadcast_from_rank0="
+                                 f"{broadcast_from_rank0})",
+                          fix="Call zero.load_full_state_dict on every rank, with the same "
+                              "broadcast_from_rank0")
     reads = not broadcast_from_rank0 or ctx.backend.rank(group) == 0
     fulls, result, names = {}, None, []
     try:
-        for unit in units:
-            fulls[unit] = unit.sharded.new_zeros(unit.layout.padded_numel)
+        for unit in units:  # the values now: torch overwrites only what the dict holds
+            fulls[unit] = _gathered(unit)
             unit.use(unit.layout.views(fulls[unit]))  # torch copies each tensor in here
         with comm.raising_together(group, ctx=ctx):
             if reads:
@@ -94,7 +106,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     if broadcast_from_rank0:
         for unit, flat in fulls.items():  # (N*S,) rank 0's -> every rank's, unit by unit
             comm.broadcast(flat, src=0, group=group, unit=unit.name, phase="other", ctx=ctx)
-        same_model.take_rank0_values([model], [], group, ctx)  # the buffers
+        outside = [p for p in model.parameters() if not is_piece(p)]  # no unit shards them
+        same_model.take_rank0_values([model], outside, group, ctx)  # and the buffers
+        keys = comm.all_gather_object(result and tuple(result), group=group, ctx=ctx)[0]
+        result = _IncompatibleKeys(*keys)
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():

@@ -26,8 +26,9 @@ from zero.core.registry import units_of
 
 def reset_parameters(module: nn.Module) -> None:
     """The default ``init_fn``: the module's own ``reset_parameters`` (nn.Linear, ...)."""
-    if hasattr(module, "reset_parameters"):
-        module.reset_parameters()
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
 
 
 @torch.no_grad()

@@ -3,9 +3,7 @@
 ``zero.shard`` takes FSDP2's and FSDP1's arguments by name (its docstring lists them); they
 are gathered here into one frozen object that the rest of the call reads, so that no function
 of it takes a dozen loose arguments, and so that FSDP1's one-call form (``auto_wrap_policy``,
-``sharding_strategy``) can hand the same options to every unit it makes. ``describe`` is how
-the ranks compare a policy object before the first collective: by its class and fields, never
-by an address that differs from rank to rank.
+``sharding_strategy``) can hand the same options to every unit it makes.
 """
 
 from __future__ import annotations
@@ -46,18 +44,3 @@ class Options:
         """What the root's call decides for every unit under it (``zero/core/root.py``)."""
         return {"backend": self.backend, "prefetch": self.prefetch, "schedule": self.schedule}
 
-
-def describe(obj, depth: int = 0) -> str:
-    """``obj`` as the ranks compare it: its own ``repr`` if its class wrote one, else its
-    class and its fields, described alike (an object with Python's default ``repr``, which
-    shows its address, is the same on every rank that built it the same way)."""
-    if obj is None or isinstance(obj, (str, int, float, bool, tuple, type)):
-        return repr(obj)
-    cls = type(obj)
-    if cls.__repr__ is not object.__repr__:
-        return repr(obj)
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    fields = getattr(obj, "__dict__", None)
-    if not fields or depth >= 2:
-        return name
-    return f"{name}({', '.join(f'{k}={describe(v, depth + 1)}' for k, v in sorted(fields.items()))})"

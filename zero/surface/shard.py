@@ -37,7 +37,7 @@ from zero.features.offload import offload_from_torch
 from zero.surface import attach
 from zero.surface.claim import claim, device_of, named
 from zero.surface.controls import no_sync
-from zero.surface.options import Options, describe
+from zero.surface.options import Options
 from zero.surface.policies import MixedPrecision, layout_class
 
 __all__ = ["no_sync", "piece_of", "shard", "unit_of", "units_of", "units_on"]
@@ -255,9 +255,9 @@ def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offloa
     # Every policy by its parameters, not its class (qwZ's block size decides how each rank
     # reads the others' bytes); a per-rank path (DiskOffload's directory) is left out.
     desc += [("policy", field, value) for field, value in (
-        ("layout", layout.name), ("comm_policy", describe(o.comm_policy)),
-        ("offload_policy", describe(offload)), ("backend", describe(ctx.backend)),
-        ("prefetch", o.prefetch), ("schedule", describe(o.schedule)),
+        ("layout", layout.name), ("comm_policy", same_model.describe(o.comm_policy)),
+        ("offload_policy", same_model.describe(offload)), ("backend", same_model.describe(ctx.backend)),
+        ("prefetch", o.prefetch), ("schedule", same_model.describe(o.schedule)),
         ("mesh", None if o.mesh is None else tuple(o.mesh.shape)),
         ("secondary_group", None if o.secondary_group is None else
          ctx.world_size(o.secondary_group)))]
