@@ -62,9 +62,9 @@ class Placement:
     @classmethod
     def of(cls, param: torch.Tensor, world_size: int, dim: int = 0) -> "Placement":
         """``param``'s placement when sharded by rows over ``world_size`` ranks along ``dim``."""
-        spec = param._spec if isinstance(param, DTensor) else None
-        local = param._local_tensor if spec is not None else param
-        return cls(local.shape, world_size, dim, spec)
+        if isinstance(param, DTensor):
+            return cls(param._local_tensor.shape, world_size, dim, param._spec)
+        return cls(param.shape, world_size, dim)
 
     @property
     def plain(self) -> bool:
@@ -117,7 +117,8 @@ class Placement:
         (1-D, or 2-D HSDP's (replicate, shard)): FSDP2's, placement for placement."""
         if mesh in self._spmd:
             return self._spmd[mesh]
-        dp_mesh, dp = mesh, Shard(self.dim)
+        dp_mesh = mesh
+        dp: Shard | _StridedShard = Shard(self.dim)
         if self.spec is not None:
             # tp cuts dim d into k too: a dp rank's rows are every k-th block of the full
             # parameter (FSDP2's split factor: the tp shards on d)
