@@ -32,7 +32,7 @@ from zero.core.root import Root
 from zero.core.stage import STAGES
 from zero.core.state import Controls
 from zero.core.unit import Unit
-from zero.features import wrap
+from zero.features import all_gather_extension, wrap
 from zero.features.offload import offload_from_torch
 from zero.surface import attach
 from zero.surface.claim import claim, device_of, named
@@ -193,6 +193,7 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
                                             o.reshard_after_forward, ignored)
         placement.check(layout, named(modules, params), ctx.world_size(group),
                         o.mesh, o.shard_placement_fn)  # (tensor parallel, Shard(d))
+        all_gather_extension.check(named(modules, params), layout, o.comm_policy, offload)
         if any(child.layout.name != layout.name for child in children):
             raise ValueError(f"the units below {type(modules[0]).__name__} use layout "
                              f"{children[0].layout.name!r}, this call {layout.name!r}: use one "
@@ -283,13 +284,16 @@ def _make_units(modules, params, locations, stage, mp_policy, layout, offload, d
         # (a layout placing tensor-parallel and Shard(d) parameters, and what it lays out)
         placed, laid, placements = placement.lay_out(layout, [params[i] for i in g],
                                                      mesh_info.world_size, o.shard_placement_fn)
-        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, placed, comm_policy,
+        # (a tensor subclass deciding its own all-gather: FSDP2's extension)
+        comm = all_gather_extension.policy(comm_policy, [params[i] for i in g])
+        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, placed, comm,
                                  offload, device)
         controls = Controls(reshard_after_forward=o.reshard_after_forward,
                             broadcast_buffers=o.broadcast_buffers and k == 0)
         units.append(Unit(modules, laid, [locations[i] for i in g], config, mesh_info,
                           controls, root))
         placement.dress(units[-1], placements)
+        all_gather_extension.dress(units[-1], [params[i] for i in g])
     root.add(units)
     for sibling in units[1:]:  # the trainable one, if any: the others follow it
         sibling.place_under(units[0], sibling=True)
