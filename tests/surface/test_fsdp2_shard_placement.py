@@ -128,3 +128,37 @@ def test_a_placement_that_cannot_be_served_is_refused_naming_why():
     assert "does not divide over 2 ranks" in out["odd"] and "router.weight" in out["odd"]
     assert "Shard(3)" in out["out of range"]
     assert "layout='rows'" in out["flat"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_rows_layout_moves_shard_d_chunks_as_fsdp2s_buffers_hold_them(n):
+    """Single process: a unit of parameters placed on dims 0, 1 and 2. The layout's
+    rank-major buffer (to_wire) is FSDP2's reduce-scatter input, rank r's row the
+    concatenation of every parameter's chunk r (dim 0: padded to ceil(d0 / n) rows; dim d:
+    torch.chunk along d), and from_wire puts it back."""
+    from zero.core.placement import Placement
+    from zero.core.rows import RowsLayout
+
+    shapes, dims = [(5, 3), (2, 4 * n), (3, 2, 2 * n), (7,)], [0, 1, 2, 0]
+    placements = [Placement(s, n, d) for s, d in zip(shapes, dims)]
+    layout = RowsLayout.placing(placements)([p.rows_shape for p in placements], n)
+    torch.manual_seed(0)
+    params = [torch.randn(s) for s in shapes]
+    compute = layout.flatten(params)
+    want = []
+    for r in range(n):
+        for p, d in zip(params, dims):
+            rows = -(-p.shape[0] // n)
+            chunk = torch.chunk(p, n, dim=d)[r] if d else p[r * rows:(r + 1) * rows]
+            pad = (rows * p[0].numel() - chunk.numel()) if d == 0 else 0
+            want += [chunk.reshape(-1), torch.zeros(pad)]
+    wire = layout.to_wire(compute)
+    assert torch.equal(wire, torch.cat(want))
+    back = layout.from_wire(wire)
+    assert all(torch.equal(a, b) for a, b in zip(layout.views(back), params))
+    for r in range(n):  # each rank's piece, as the parameter FSDP2 shows it: its chunk
+        i = 1
+        lo, hi = layout.rows_of(i, r)
+        piece = wire[layout.shard(r).offset:][layout.seg[i]:][:layout.chunk[i]]
+        assert torch.equal(piece.view(placements[i].sharded_shape(hi - lo)),
+                           torch.chunk(params[i], n, dim=1)[r])

@@ -12,6 +12,13 @@ data-parallel ranks. FSDP2 composes that cut with two things a parameter may bri
   So does zero: a parameter "in rows" is that stack (``in_rows``), so the rows layout and
   every collective stay what they are for dim 0, and only the copies into and out of the
   layout's buffers move the chunks (``stack`` / ``unstack``).
+
+      a parameter (2, 4), Shard(1), N = 2:      in rows, (4, 2):
+          | a0 a1 | b0 b1 |                         | a0 a1 |  rank 0's rows: its chunk
+          | a2 a3 | b2 b3 |                         | a2 a3 |
+                                                    | b0 b1 |  rank 1's rows
+                                                    | b2 b3 |
+
 - The parameter may already be a ``DTensor`` on a tensor-parallel mesh
   (``parallelize_module(block, mesh["tp"], ColwiseParallel())``). Its *local* tensor is what
   the data-parallel ranks share: zero shards that, by rows, exactly as a plain parameter.
@@ -170,15 +177,24 @@ def values(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def chosen_dim(shard_placement_fn, name: str, p: torch.Tensor) -> int:
+    """The dim ``shard_placement_fn`` (FSDP2's) chooses for ``p`` (None: 0), made
+    non-negative; raises naming ``name`` for what FSDP2 would refuse too."""
+    chosen = shard_placement_fn(p) if shard_placement_fn is not None else None
+    if chosen is None:
+        return 0
+    if not isinstance(chosen, Shard):
+        raise ValueError(f"shard_placement_fn returned {chosen!r} for {name}: FSDP2 takes "
+                         "Shard(dim) or None (Shard(0))")
+    if not -max(p.ndim, 1) <= chosen.dim < max(p.ndim, 1):
+        raise ValueError(f"shard_placement_fn returned Shard({chosen.dim}) for {name}, which "
+                         f"has {p.ndim} dims")
+    return chosen.dim % max(p.ndim, 1)
+
+
 def placements_of(params, world_size: int, shard_placement_fn=None) -> list[Placement]:
-    """Each parameter's ``Placement`` over ``world_size`` data-parallel ranks; the dim is
-    what ``shard_placement_fn`` (FSDP2's) returns for it (None: dim 0)."""
-    out = []
-    for p in params:
-        chosen = shard_placement_fn(p) if shard_placement_fn is not None else None
-        dim = 0 if chosen is None else chosen.dim
-        out.append(Placement.of(p, world_size, dim % max(p.ndim, 1)))
-    return out
+    """Each parameter's ``Placement`` over ``world_size`` data-parallel ranks."""
+    return [Placement.of(p, world_size, chosen_dim(shard_placement_fn, "", p)) for p in params]
 
 
 def check(layout, names, world_size: int, mesh, shard_placement_fn=None) -> None:
@@ -186,16 +202,9 @@ def check(layout, names, world_size: int, mesh, shard_placement_fn=None) -> None
     cannot be placed: a tensor-parallel DTensor or a ``Shard(d)`` under a layout that cannot
     place parameters (only "rows" can), a placement FSDP2 refuses too."""
     for name, p in names:
-        chosen = shard_placement_fn(p) if shard_placement_fn is not None else None
-        if chosen is not None and not isinstance(chosen, Shard):
-            raise ValueError(f"shard_placement_fn returned {chosen!r} for {name}: FSDP2 takes "
-                             "Shard(dim) or None (Shard(0))")
-        dim = 0 if chosen is None else chosen.dim
-        if not -max(p.ndim, 1) <= dim < max(p.ndim, 1):
-            raise ValueError(f"shard_placement_fn returned Shard({dim}) for {name}, which has "
-                             f"{p.ndim} dims")
+        dim = chosen_dim(shard_placement_fn, name, p)
         spec = p._spec if isinstance(p, DTensor) else None
-        if spec is None and dim % max(p.ndim, 1) == 0:
+        if spec is None and dim == 0:
             continue  # plain: dim-0 rows, every layout's
         what = (f"{name} is a DTensor on a tensor-parallel mesh ({spec.placements})"
                 if spec is not None else f"shard_placement_fn places {name} on Shard({dim})")
@@ -203,25 +212,29 @@ def check(layout, names, world_size: int, mesh, shard_placement_fn=None) -> None
             raise ValueError(f"{what}, which layout={layout.name!r} cannot place: use "
                              "layout='rows' (FSDP2's, zero.fully_shard's default)")
         local = p._local_tensor.shape if spec is not None else p.shape
-        d = dim % len(local)
-        if d and local[d] % world_size:
-            raise ValueError(f"{what}: its dim {d} ({local[d]}) does not divide over "
+        if dim and local[dim] % world_size:
+            raise ValueError(f"{what}: its dim {dim} ({local[dim]}) does not divide over "
                              f"{world_size} ranks, and Shard(d > 0) must (FSDP2 refuses it "
                              "too): return Shard(0) for it, or choose a dim that divides")
-        if spec is None:
-            continue
-        if len(spec.placements) != 1 or not isinstance(spec.placements[0], (Shard, Replicate)):
-            raise ValueError(f"{what}: zero composes with tensor parallel on a 1-D mesh, "
-                             "placed Shard(d) or Replicate(); give it such a DTensor")
-        if not isinstance(mesh, DeviceMesh):
-            raise ValueError(f"{what}: give the data-parallel mesh as mesh= (mesh['dp'], cut "
-                             "from the same mesh as the tensor-parallel one), not a group")
-        try:
-            DeviceMesh._concatenate([mesh, spec.mesh])
-        except Exception as e:  # noqa: BLE001 - said with the fix
-            raise ValueError(f"{what}, but its mesh and the data-parallel mesh given ({mesh}) "
-                             "do not combine into one (dp, tp) mesh: cut both from one "
-                             f"init_device_mesh(..., mesh_dim_names=('dp', 'tp')) ({e})") from None
+        if spec is not None:
+            _check_tensor_parallel(what, spec, mesh)
+
+
+def _check_tensor_parallel(what: str, spec, mesh) -> None:
+    """A tensor-parallel parameter: a 1-D tp mesh, and a data-parallel mesh that combines
+    with it (both cut from one mesh, as FSDP2 requires)."""
+    if len(spec.placements) != 1 or not isinstance(spec.placements[0], (Shard, Replicate)):
+        raise ValueError(f"{what}: zero composes with tensor parallel on a 1-D mesh, placed "
+                         "Shard(d) or Replicate(); give it such a DTensor")
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"{what}: give the data-parallel mesh as mesh= (mesh['dp'], cut from "
+                         "the same mesh as the tensor-parallel one), not a group")
+    try:
+        DeviceMesh._concatenate([mesh, spec.mesh])
+    except Exception as e:  # noqa: BLE001 - said with the fix
+        raise ValueError(f"{what}, but its mesh and the data-parallel mesh given ({mesh}) do "
+                         "not combine into one (dp, tp) mesh: cut both from one "
+                         f"init_device_mesh(..., mesh_dim_names=('dp', 'tp')) ({e})") from None
 
 
 def lay_out(layout, params, world_size: int, shard_placement_fn=None):
