@@ -162,3 +162,19 @@ def test_the_rows_layout_moves_shard_d_chunks_as_fsdp2s_buffers_hold_them(n):
         piece = wire[layout.shard(r).offset:][layout.seg[i]:][:layout.chunk[i]]
         assert torch.equal(piece.view(placements[i].sharded_shape(hi - lo)),
                            torch.chunk(params[i], n, dim=1)[r])
+
+
+def _ranks_disagree(rank, n):
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    fn = experts_on_dim_1 if rank == 0 else None  # rank 1 forgot it: same sizes, other rows
+    try:
+        zero.fully_shard(MoE(), mesh=mesh, shard_placement_fn=fn)
+        return "accepted"
+    except ValueError as e:
+        return str(e)
+
+
+def test_ranks_that_place_a_parameter_differently_raise_naming_it():
+    for said in run_ranks(_ranks_disagree, 2):
+        assert "shard_placement_fn differs" in said, said

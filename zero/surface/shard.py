@@ -261,7 +261,10 @@ def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offloa
         ("prefetch", o.prefetch), ("schedule", same_model.describe(o.schedule)),
         ("mesh", None if o.mesh is None else tuple(o.mesh.shape)),
         ("secondary_group", None if o.secondary_group is None else
-         ctx.world_size(o.secondary_group)))]
+         ctx.world_size(o.secondary_group)),
+        # (two dims of equal size would exchange the same bytes, scrambled, without a word)
+        ("shard_placement_fn", [placement.chosen_dim(o.shard_placement_fn, n, p)
+                                for n, p in names]))]
     desc.append(("values", any(p.is_meta for p in params), o.sync_module_states))
     same_model.check_same_description(desc, all_group, ctx)
     if o.sync_module_states:
