@@ -136,8 +136,8 @@ def _train(rank, n, plan, mp, stage, hidden, hsdp):
             opt.zero_grad()
             steps.append((loss.detach(), grads, norm, clipped,
                           {k: full(p).detach().clone() for k, p in model.named_parameters()}))
-        placed = {k: (p.device_mesh, p.placements, tuple(p.to_local().shape))
-                  for k, p in model.named_parameters()}
+        placed = {k: (v.device_mesh, v.placements, tuple(v.to_local().shape))
+                  for k, v in model.state_dict().items()}  # (what DCP writes)
         runs.append((steps, placed))
     (ref, ref_placed), (ours, our_placed) = runs
     for s, (a, b) in enumerate(zip(ref, ours)):
