@@ -176,8 +176,9 @@ class SubclassForm:
                                          self.mp_policy)
         padded = torch.Size([padded_rows, *local.shape[1:]])
         if local.shape != padded and any(t.shape != padded for t in tensors):
+            shapes = [tuple(t.shape) for t in tensors]
             raise RuntimeError(
-                f"{self.cls.__name__}.fsdp_pre_all_gather returned {[tuple(t.shape) for t in tensors]} "
+                f"{self.cls.__name__}.fsdp_pre_all_gather returned {shapes} "
                 f"for rows {tuple(local.shape)} of a parameter {tuple(self.shape)} that does not "
                 f"divide evenly: it must return the padded size {tuple(padded)} (FSDP2 asks "
                 "the same), or shard the parameter evenly")
