@@ -42,6 +42,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from zero.comm.flat_collectives import FlatCollectives
+
 
 def has_extension(t: torch.Tensor) -> bool:
     """Whether ``t`` (or a DTensor's local tensor) defines FSDP2's all-gather extension."""
@@ -185,13 +187,14 @@ class SubclassForm:
         self.sizes = [t.shape for t in tensors]
         return [t.reshape(-1) for t in tensors]
 
-    def receive(self, world_size: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The (N * numel,) outputs to fill, made once and re-allocated after a free."""
-        if not self.outputs:
-            self.outputs = [t.new_empty(world_size * t.numel()) for t in inputs]
-        for t in self.outputs:
-            _allocated(t)
-        return self.outputs
+    def output(self, k: int, like: torch.Tensor, world_size: int) -> torch.Tensor:
+        """Input k's (N, numel) output to fill, ``like`` it, made once and re-allocated after a
+        free: on the computing stream, which reads it and alone frees it (the streams note in
+        ``zero/comm/context.py``)."""
+        if len(self.outputs) == k:
+            self.outputs.append(like.new_empty(world_size * like.numel()))
+        _allocated(self.outputs[k])
+        return self.outputs[k].view(world_size, -1)
 
     def arrived(self, param_dtype: torch.dtype) -> None:
         """``fsdp_post_all_gather`` on the outputs: builds the unsharded tensor the first
@@ -228,7 +231,6 @@ class SubclassGather:
     in_place_ok = False  # the send buffer is made here, never the full buffer's slot
 
     def __init__(self, inner=None):
-        from zero.comm.flat_collectives import FlatCollectives
         self.inner = inner if inner is not None else FlatCollectives()
         self.unit = None  # bound by ``dress``, once the unit is made
 
@@ -247,24 +249,25 @@ class SubclassGather:
         forms = self._forms()
         mesh = self.unit.mesh.placement
         mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh  # (HSDP: the shard dim)
-        sends, outs = [], []  # this rank's pieces, and where every rank's go (bytes)
         wire = full.view(n, layout.shard_numel)
+        sends: list[torch.Tensor] = []  # this rank's pieces, in order
+        goes: list = []  # where every rank's piece goes: wire columns, or (form, k, input k)
         for i, (seg, chunk) in enumerate(zip(layout.seg, layout.chunk)):
             if i in forms:
                 inputs = forms[i].inputs(mesh, layout.chunk_rows[i])
                 sends += inputs
-                outs += [t.view(n, -1) for t in forms[i].receive(n, inputs)]
+                goes += [(forms[i], k, t) for k, t in enumerate(inputs)]
             elif chunk:
                 sends.append(shard[seg:seg + chunk].to(full.dtype))  # (the cast, as ever)
-                outs.append(wire[:, seg:seg + chunk])
+                goes.append(wire[:, seg:seg + chunk])
         mixed = len({t.dtype for t in sends}) > 1
         as_sent = [t.view(torch.uint8) if mixed else t for t in sends]
         send = torch.cat(as_sent) if as_sent else full.new_empty(0)
         got = send.new_empty(n * send.numel())
         # (B,) per rank -> (N*B,): the plain rows and the subclasses' inputs, in one
         work = ctx.all_gather(got, send, group=group, unit=unit, phase=phase, async_op=True)
-        return _Arrived(work, got, outs, [t.numel() for t in as_sent], mixed, forms,
-                        full.dtype, n)
+        return _Arrived(work, send, got, goes, [t.numel() for t in as_sent], mixed,
+                        forms, full.dtype, n)
 
     def reduce_scatter(self, grad, slot, *, op, group, unit, phase, ctx):
         return self.inner.reduce_scatter(grad, slot, op=op, group=group, unit=unit,
@@ -278,18 +281,21 @@ class _Arrived:
     """The all-gather in flight; ``wait()`` copies each piece where it goes (FSDP2's
     ``split_with_sizes_copy``) and hands the subclasses their outputs."""
 
-    def __init__(self, work, got, outs, sizes, mixed, forms, param_dtype, n):
-        self.work, self.got, self.outs, self.sizes = work, got, outs, sizes
-        self.mixed, self.forms, self.param_dtype, self.n = mixed, forms, param_dtype, n
+    def __init__(self, work, send, got, goes, sizes, mixed, forms, param_dtype, n):
+        self.work, self.send, self.got, self.goes = work, send, got, goes  # (alive till then)
+        self.sizes, self.mixed, self.forms = sizes, mixed, forms
+        self.param_dtype, self.n = param_dtype, n
 
     def wait(self):
         self.work.wait()
         if self.sizes:
-            outs = [t.view(torch.uint8) if self.mixed else t for t in self.outs]
+            outs = [go if torch.is_tensor(go) else go[0].output(go[1], go[2], self.n)
+                    for go in self.goes]
+            outs = [t.view(torch.uint8) if self.mixed else t for t in outs]
             # (outputs autograd may hold for backward are refilled, not changed: FSDP2's way)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 torch.split_with_sizes_copy(self.got.view(self.n, -1), self.sizes, dim=1,
                                             out=outs)
         for form in self.forms.values():
             form.arrived(self.param_dtype)
-        self.got = self.outs = None
+        self.send = self.got = self.goes = None
