@@ -5,6 +5,7 @@
     python benchmarks/torchtitan_example.py --model deepseek_v3 --stage 3
     python benchmarks/torchtitan_example.py --tied --accumulate 2 --reshard never
     python benchmarks/torchtitan_example.py --resume              # CheckpointManager round trip
+    python benchmarks/torchtitan_example.py --tp 2                # tensor parallel 2 x FSDP 2
 
 Each configuration trains twice on the same 2 gloo ranks, from the same seed and the same
 random tokens: once with torchtitan as it is (FSDP2), once with the one name
@@ -35,6 +36,10 @@ What this script does itself, because ``Trainer.__init__`` cannot run offline on
 - attention is SDPA (flex attention needs ``torch.compile``), the optimizer the for-loop
   one, and FSDP2 sums on the wire (``set_force_sum_reduction_for_comms``: gloo has no
   PREMUL_SUM; torchtitan's divide factor 1.0 asks for it on GPUs).
+With ``--tp 2`` torchtitan's own tensor parallelism (its plan: column- and row-wise
+linears, sequence-parallel norms, a parallel embedding) runs on a (dp, tp) = (2, 2) mesh of
+4 ranks, and ``fully_shard`` shards each block over "dp": the parameters are 2-D DTensors,
+FSDP2's and zero's alike (``zero/core/placement.py``).
 Tiny: the flavour's first 2 layers (deepseek_v3's: a dense block, then an MoE block),
 sequence 64, batch 2 per rank, 3 steps; a few seconds a configuration.
 """
@@ -129,6 +134,7 @@ class Case:
     tied: bool = False              # enable_weight_tying: [tok_embeddings, norm, lm_head]
     replicate: bool = False         # HSDP: a 2x1 (dp_replicate, fsdp) mesh
     offload: bool = False           # training.enable_cpu_offload: CPUOffloadPolicy()
+    tp: int = 1                     # tensor_parallel_degree: 2 runs on 4 ranks, (dp, tp) 2x2
 
     def __str__(self):
         extras = [f"reshard {self.reshard}"] if self.reshard != "default" else []
@@ -136,6 +142,7 @@ class Case:
         extras += ["tied embeddings"] if self.tied else []
         extras += ["HSDP 2x1"] if self.replicate else []
         extras += ["CPU offload"] if self.offload else []
+        extras += [f"tensor parallel {self.tp} x data parallel 2"] if self.tp > 1 else []
         return ", ".join([self.model, f"stage {self.stage}", self.precision, f"AC {self.ac}",
                           "chunked loss"] + extras)
 
@@ -171,6 +178,7 @@ def trainer_config(case: Case, folder: str | None = None):
     # must be DTensors on the full SPMD mesh"); "partial_dtensor" is the path that runs.
     config.parallelism.spmd_backend = "partial_dtensor"
     config.parallelism.fsdp_reshard_after_forward = case.reshard
+    config.parallelism.tensor_parallel_degree = case.tp
     if case.replicate:
         config.parallelism.data_parallel_replicate_degree = 2
         config.parallelism.data_parallel_shard_degree = 1
@@ -227,7 +235,10 @@ def build_trainer(config, world_size: int):
                                                       training_steps=config.training.steps)
     trainer.metrics_processor = Recorder()
     trainer.step, trainer.ntokens_seen = 0, 0
-    trainer.dataloader = RandomTokens(spec.model.vocab_size, dist.get_rank())
+    # (one batch per data-parallel rank: the tensor-parallel ranks of one share it; tp is
+    # the innermost dim of torchtitan's mesh)
+    trainer.dataloader = RandomTokens(spec.model.vocab_size,
+                                      dist.get_rank() // config.parallelism.tensor_parallel_degree)
     trainer.checkpointer = config.checkpoint.build(
         dataloader=trainer.dataloader, model_parts=trainer.model_parts,
         optimizers=trainer.optimizers, lr_schedulers=trainer.lr_schedulers,
@@ -451,12 +462,12 @@ def resumed_bitwise(r: dict) -> bool:
     return r["resumed_at"] == 2 and r["fresh_differed"] and r["loss_equal"] and r["params_equal"]
 
 
-def machine() -> str:
+def machine(ranks: int = 2) -> str:
     import datetime
     import platform
     from importlib.metadata import version
     return (f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, torchtitan {version('torchtitan')}, gloo, 2 ranks")
+            f"torch {torch.__version__}, torchtitan {version('torchtitan')}, gloo, {ranks} ranks")
 
 
 def main():
@@ -471,6 +482,8 @@ def main():
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step")
     parser.add_argument("--tied", action="store_true", help="enable_weight_tying")
     parser.add_argument("--replicate", action="store_true", help="HSDP on a 2x1 mesh")
+    parser.add_argument("--tp", type=int, choices=[1, 2], default=1,
+                        help="tensor_parallel_degree (2: 4 ranks, data parallel 2)")
     parser.add_argument("--offload", action="store_true",
                         help="training.enable_cpu_offload (FSDP2's reference without it)")
     parser.add_argument("--resume", action="store_true",
@@ -479,7 +492,7 @@ def main():
     args = parser.parse_args()
     import torchtitan.trainer  # noqa: F401  (once, before the ranks fork: it takes seconds)
     cases = [Case(args.model, s, p, a, args.reshard, args.accumulate, args.tied,
-                  args.replicate, args.offload)
+                  args.replicate, args.offload, args.tp)
              for s in args.stage for p in args.precision for a in args.ac]
     with tempfile.TemporaryDirectory(prefix="zero-titan-") as tmp:
         if args.resume:
@@ -492,8 +505,8 @@ def main():
                 groups.setdefault(replace(c, stage=0), []).append(c)
             jobs = [("compare", g) for g in groups.values()]
             cases = [c for g in groups.values() for c in g]
-        results = run_ranks(work, 2, jobs, timeout=120 * len(cases))[0]
-    print(machine())
+        results = run_ranks(work, 2 * args.tp, jobs, timeout=120 * len(cases))[0]
+    print(machine(2 * args.tp))
     if args.resume:
         for i, case in enumerate(cases):
             rows = results[3 * i:3 * i + 3]

@@ -18,7 +18,8 @@ Layout        ``FlatLayout``, ``RowsLayout``,             ``zero/core/unit.py``,
               ``WholeLayout`` (``zero/core/``)            ``hooks.py``; checkpoints; state dicts
 CommPolicy    ``FlatCollectives`` (``zero/comm/``),       ``zero/core/unit.py`` (gather),
               ``QuantizedWeights``, ``QuantizedGradients``  ``grads.py`` (reduce), ``config.py``
-              ``CustomCollectives`` (``zero/features/``)  (HSDP's all-reduce)
+              ``CustomCollectives``, ``SubclassGather``   (HSDP's all-reduce)
+              (``zero/features/``)
 OffloadPolicy ``OnDevice``, ``CPUOffload``, ``DiskOffload``  ``zero/core/unit.py``, ``grads.py``;
               (``zero/features/``)                        the step hooks; checkpoints
 Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/root.py``;

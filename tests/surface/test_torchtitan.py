@@ -13,7 +13,9 @@ Skipped when torchtitan is not installed (``pip install -c .ci/constraints.txt -
 ".[titan]"``). The suite runs a sample; ``ZERO_TITAN_MATRIX=1 pytest tests/surface/test_torchtitan.py``
 runs every stage with every precision, AC mode and model, reshard-never with gradient
 accumulation and tied embeddings, CPU offload (against FSDP2 without it: FSDP2's pins memory,
-which needs an accelerator), and checkpoints crossing between FSDP2 and zero.
+which needs an accelerator), and checkpoints crossing between FSDP2 and zero; and tensor
+parallel 2 x FSDP 2 on 4 ranks (torchtitan's own TP plan, 2-D DTensor parameters), every stage
+and precision, and its checkpoints both ways (about 15 s a run: not in the default suite).
 """
 
 import os
@@ -53,7 +55,8 @@ BIG = bool(os.environ.get("ZERO_TITAN_MATRIX")) or FULL  # every case: minutes
 def _name(cases):
     c = cases[0]
     return f"{c.model}-{c.precision}-{c.ac}-stages" + "".join(str(c.stage) for c in cases) + (
-        "-tied-accumulate-nevershard" if c.tied else "") + ("-offload" if c.offload else "")
+        "-tied-accumulate-nevershard" if c.tied else "") + ("-offload" if c.offload else "") + (
+        f"-tp{c.tp}" if c.tp > 1 else "")
 
 
 @pytest.mark.parametrize("cases", MATRIX if BIG else CASES, ids=_name)
@@ -75,3 +78,25 @@ def test_checkpoint_manager_resumes_bitwise(case, saver, loader, tmp_path):
     r = run_ranks(titan.work, 2, [("resume", case, str(tmp_path), saver, loader)],
                   timeout=120)[0][0]
     assert titan.resumed_bitwise(r), titan.resume_table(case, [r])
+
+
+# Tensor parallel 2 x FSDP 2 on 4 ranks: each entry one FSDP2 run, then zero at each stage.
+TP_MATRIX = [[Case(stage=s, precision=p, tp=2) for s in (1, 2, 3)] for p in ("fp32", "bf16")]
+
+
+@pytest.mark.skipif(not BIG, reason="4 ranks, ~15 s a run: ZERO_TITAN_MATRIX=1 or ZERO_FULL=1")
+@pytest.mark.parametrize("cases", TP_MATRIX, ids=_name)
+def test_torchtitan_tensor_parallel_on_zero_is_bitwise_fsdp2(cases):
+    tables = run_ranks(titan.work, 4, [("compare", cases)], timeout=120 + 60 * len(cases))[0][0]
+    for case, rows in zip(cases, tables):
+        assert titan.bitwise(rows), titan.table(case, rows)
+        assert all(r["rs_ours"] == r["rs_ref"] for r in rows), titan.table(case, rows)
+
+
+@pytest.mark.skipif(not BIG, reason="4 ranks, ~30 s: ZERO_TITAN_MATRIX=1 or ZERO_FULL=1")
+def test_checkpoint_manager_resumes_tensor_parallel_bitwise_both_ways(tmp_path):
+    case = Case(stage=3, tp=2)
+    jobs = [("resume", case, str(tmp_path / f"{a}-{b}"), a, b)
+            for a, b in (("zero", "zero"), ("fsdp2", "zero"), ("zero", "fsdp2"))]
+    rows = run_ranks(titan.work, 4, jobs, timeout=300)[0]
+    assert all(titan.resumed_bitwise(r) for r in rows), titan.resume_table(case, rows)

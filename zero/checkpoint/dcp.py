@@ -40,10 +40,18 @@ from zero import comm
 from zero.checkpoint import reader, validate
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
-from zero.core import adoption, registry
+from zero.core import adoption, placement, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 from zero.core.rows import local_tensor
+
+
+# zero's own checkpoints hold each parameter as dim-0 rows of the whole parameter; a
+# tensor-parallel or Shard(d) one is not that (zero/core/placement.py)
+PLACED_FIX = ("save and load it through torch's DCP state-dict functions, as on FSDP2: "
+              "dcp.save({'model': get_model_state_dict(model), 'optim': "
+              "get_optimizer_state_dict(model, optimizer)}, checkpoint_id=...), and "
+              "set_model_state_dict / set_optimizer_state_dict after dcp.load")
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -129,6 +137,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     Collective (one all-gather per unit and tensor kind); every rank gets its own chunks.
     """
     units = units_of(model)
+    placement.refuse(units, "zero.save", PLACED_FIX, any_dim=True)
     state = {"model": _model_state(model, units)}
     if optimizer is not None:
         state["optim"] = _optim_state(model, optimizer, units)

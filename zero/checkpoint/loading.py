@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor
 from zero import comm
 from zero.checkpoint import reader, validate, safe_pickle
 from zero.checkpoint import directory as ckdir
-from zero.checkpoint.dcp import check_optimizer, entries_of, first_names, resident
+from zero.checkpoint.dcp import PLACED_FIX, check_optimizer, entries_of, first_names, resident
 from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_dtensor
-from zero.core import adoption, registry
+from zero.core import adoption, placement, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
 
@@ -60,6 +60,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             or the optimizer does not hold the model's parameters.
     """
     units = units_of(model)
+    placement.refuse(units, "zero.load", PLACED_FIX, any_dim=True)
     # (before entries_of puts its tensors in the slots: a replacement not adopted is dropped)
     adoption.adopt_agreed(units, "load a checkpoint", fix="Call zero.load on every rank")
     names, entries = first_names(model), entries_of(model)

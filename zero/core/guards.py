@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from zero.core.rows import local_tensor
+from zero.core.param import AS_IS
+from zero.core.placement import values
 
 # How many of zero's own helpers are reading or writing state dicts right now, in this
 # thread: they put full tensors (or FSDP2's DTensors) in place first, so the guards on
@@ -50,7 +51,7 @@ def converted_after_sharding(unit) -> None:
             on_meta(unit, moved=False)  # meta), never given values; (a shard an offload policy
             # keeps on meta is the policy's: the plan's host)
         if (mod._parameters.get(attr) is not p or p.dtype != unit.sharded.dtype
-                or p.device != unit.sharded.device or _key(local_tensor(p)) != key):
+                or p.device != unit.sharded.device or _key(values(p)) != key):
             converted(unit, p)
 
 
@@ -87,10 +88,11 @@ def replaced_in_forward(unit) -> None:
     """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
     computed on something other than our parameters: its gradient is lost. Say so."""
     key = unit.storage_key()
-    for v, locs in zip(unit.iteration.views or [], unit.locations):
+    for sp, v, locs in zip(unit.sharded_params, unit.iteration.views or [], unit.locations):
         for mod, attr in locs:
             t = mod._parameters.get(attr)
-            if t is not v or (t.numel() and _key(t) != key):
+            # (a parameter computing in a form of its own, a DTensor say, holds the view inside)
+            if t is not v or (t.numel() and sp.form is AS_IS and _key(t) != key):
                 path = next(n for top in unit.modules for n, m in top.named_modules() if m is mod)
                 name = ".".join(s for s in (unit.name, path, attr) if s and s != "root")
                 raise RuntimeError(

@@ -226,7 +226,7 @@ def _make_views(unit, wants: tuple[bool, ...]) -> list[torch.Tensor]:
                 v = v.detach()  # frozen: no gradient is computed for it
             elif v.requires_grad:
                 v.register_hook(partial(unit.grads.mark_used, i))
-            views.append(v)
+            views.append(unit.sharded_params[i].unsharded(v))  # (a DTensor under TP, say)
     return views
 
 

@@ -12,7 +12,11 @@ shards; each knows
 
 Putting a tensor in the module's slots (``use``) is how a unit switches its module between
 the sharded parameters (between iterations) and views into the gathered buffer (while it
-computes). ``accumulate_grad`` is where the parameter's reduced gradient arrives.
+computes). What the module computes with is the view itself, unless the parameter brings a
+``form`` of its own (``unsharded``): a DTensor on its tensor-parallel mesh
+(``zero/core/placement.py``), or what its tensor subclass builds from the all-gather
+(``zero/features/all_gather_extension.py``). ``accumulate_grad`` is where the parameter's
+reduced gradient arrives.
 """
 
 from __future__ import annotations
@@ -20,6 +24,19 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+
+class AsIs:
+    """The form of a plain parameter: the module computes with its view into the full buffer."""
+
+    def unsharded(self, view: torch.Tensor) -> torch.Tensor:
+        return view
+
+    def free(self) -> None:
+        """Nothing besides the unit's full buffer to free when it reshards."""
+
+
+AS_IS = AsIs()
 
 
 class ShardedParam:
@@ -35,6 +52,16 @@ class ShardedParam:
         self.index, self.shape, self.locations = index, shape, locations
         self.sharded = sharded
         self._offset = offset  # where this rank's piece starts in the flattened parameter
+        self.form = AS_IS  # what the module computes with, made of its view (``unsharded``)
+
+    def unsharded(self, view: torch.Tensor) -> torch.Tensor:
+        """What the module computes with, given this parameter's view into the unit's full
+        buffer (FSDP2's unsharded parameter): the view, or the parameter's own form of it."""
+        return self.form.unsharded(view)
+
+    def free_unsharded(self) -> None:
+        """The unit reshards: whatever the form holds besides the full buffer goes too."""
+        self.form.free()
 
     def use(self, tensor: torch.Tensor) -> None:
         """Put ``tensor`` wherever the module uses the parameter (a plain tensor: a view into
@@ -59,12 +86,14 @@ class ShardedParam:
         rank's part of the unit's shard) and make it the sharded parameter, its data the piece
         as the layout shows it (``exposed``). Returns the sharded parameter."""
         local = new.to_local() if isinstance(new, DTensor) else new
-        if (new.shape != self.shape or new.dtype != piece.dtype or local.is_meta
+        # (a DTensor's full shape; the unit's own is its local one under tensor parallel)
+        shape = exposed.shape if isinstance(exposed, DTensor) else self.shape
+        if (new.shape != shape or new.dtype != piece.dtype or local.is_meta
                 or local.device != piece.device):
             raise RuntimeError(
                 f"a parameter of unit {unit} was replaced after zero.shard by a tensor of shape "
                 f"{tuple(new.shape)}, {new.dtype} on {local.device}; the unit shards "
-                f"{tuple(self.shape)}, {piece.dtype} on {piece.device}. Load values of the "
+                f"{tuple(shape)}, {piece.dtype} on {piece.device}. Load values of the "
                 "parameter's own shape, dtype and device (load_state_dict(sd, assign=True) "
                 "with the model's own DTensors, or copy_ into the parameters), or convert the "
                 "model before zero.shard")

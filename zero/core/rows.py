@@ -27,10 +27,11 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from zero.api import Piece, ShardInfo
 from zero.core.flat import LocalShard
+from zero.core.placement import Placement
 
 
 def local_tensor(t):
@@ -42,7 +43,8 @@ class RowsLayout:
     """FSDP2's dim-0 chunks (see the module docstring).
 
     Args:
-        shapes: the parameters' shapes, each at least 1-d (FSDP2 rejects 0-d parameters).
+        shapes: the parameters' shapes as laid out, each at least 1-d (FSDP2 rejects 0-d
+            parameters): a tensor-parallel parameter's local shape; ``Shard(d)``'s stack.
         world_size: N.
     """
 
@@ -51,6 +53,14 @@ class RowsLayout:
     empty_pieces_get_grads = True  # FSDP2 gives an empty local gradient to a rank with no rows
     exposes_dtensors = True  # parameters shown as DTensors of their full shape (FSDP2's)
     whole_parameters = False  # each parameter whole on one rank, in its own shape
+    placements: tuple = ()  # each parameter's Placement, when made by ``placing``
+
+    @classmethod
+    def placing(cls, placements: Sequence[Placement]) -> type:
+        """This layout for a unit whose parameters bring placements of their own (FSDP2's
+        ``Shard(d)``, a tensor-parallel mesh): a class made from the shapes and the world
+        size as the mechanism makes every layout, which knows each parameter's placement."""
+        return type(cls.__name__, (cls,), {"placements": tuple(placements)})
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
         self.shapes = [torch.Size(s) for s in shapes]
@@ -69,6 +79,9 @@ class RowsLayout:
         self.padded_numel = n * self.shard_numel
         # the compute buffer: parameter i in its own region of N chunks, rows 0.. then padding
         self.offsets = [n * s for s in self.seg]
+        self.placements = self.placements or tuple(Placement(s, n) for s in self.shapes)
+        self.view_shapes = [p.local_shape for p in self.placements]  # (Shard(d): unstacked)
+        self._moved = [i for i, p in enumerate(self.placements) if p.dim != 0]
 
     def shard(self, rank: int) -> ShardInfo:
         return ShardInfo(offset=rank * self.shard_numel, size=self.shard_numel)
@@ -95,7 +108,7 @@ class RowsLayout:
         sizes = [x for numel, c in zip(self.numels, self.chunk)
                  for x in (numel, self.world_size * c - numel)]
         parts = compute.split(sizes)
-        return [parts[2 * i].view(s) for i, s in enumerate(self.shapes)]
+        return [parts[2 * i].view(s) for i, s in enumerate(self.view_shapes)]
 
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """A compute buffer holding ``tensors`` (zero padding)."""
@@ -113,31 +126,35 @@ class RowsLayout:
         """(N*S,) rank-major -> the parameter-major compute buffer (``into``, if given)."""
         compute = wire.new_empty(self.padded_numel) if into is None else into
         if self.padded_numel:
+            regions = self._regions(compute)
+            # Shard(d), d > 0: through a temporary, then its chunks back along d (FSDP2's too)
+            moved = {i: torch.empty_like(regions[i]) for i in self._moved}
             torch.split_with_sizes_copy(wire.view(self.world_size, self.shard_numel), self.chunk,
-                                        dim=1, out=self._regions(compute))
+                                        dim=1, out=[moved.get(i, r) for i, r in enumerate(regions)])
+            for i, rows in moved.items():
+                self.placements[i].unstack(rows, regions[i])
         return compute
 
     def to_wire(self, compute: torch.Tensor) -> torch.Tensor:
         """The parameter-major compute buffer (a gradient) -> (N*S,) rank-major, a new buffer."""
         if not self.padded_numel:
             return compute.new_empty(0)
-        return torch.cat(self._regions(compute), dim=1).view(-1)
+        regions = self._regions(compute)
+        for i in self._moved:  # Shard(d), d > 0: its chunks along d, stacked (a copy)
+            regions[i] = self.placements[i].stack(regions[i])
+        return torch.cat(regions, dim=1).view(-1)
 
     def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
-        """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a ``Shard(0)`` DTensor of
-        the full shape over the unit's group (or the ``DeviceMesh`` given as ``group``; a 2-D
-        one is HSDP's, (replicate, shard): ``(Replicate(), Shard(0))``), whose local tensor
-        views ``piece``."""
-        lo, hi = self.rows_of(i, rank)
-        shape = self.shapes[i]
+        """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a DTensor of the full shape
+        over the unit's mesh (the ``DeviceMesh`` given as ``group``: ``Shard(0)``; a 2-D one is
+        HSDP's, (replicate, shard): ``(Replicate(), Shard(0))``; with a tensor-parallel mesh
+        too, ``zero/core/placement.py``), whose local tensor views ``piece``."""
         if not isinstance(group, DeviceMesh):
             raise TypeError("layout='rows' places its DTensors on a DeviceMesh (zero.shard "
                             f"makes one per unit), got {type(group).__name__}")
-        mesh = group
-        placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(piece.view(hi - lo, *shape[1:]), mesh, placements,
-                                  run_check=False, shape=shape, stride=stride)
+        lo, hi = self.rows_of(i, rank)
+        placement = self.placements[i]
+        return placement.sharded(piece.view(placement.sharded_shape(hi - lo)), group)
 
 
 class CopiedOut:

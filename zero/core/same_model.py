@@ -17,6 +17,7 @@ import re
 import torch
 
 from zero import comm
+from zero.core.placement import values
 
 AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and call zero.shard "
           "in the same order, with the same arguments, on every rank")
@@ -82,10 +83,13 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits
 def fingerprint(names) -> torch.Tensor:
     """(P,) int64: per parameter, a weighted sum of the bits of up to ``_SAMPLES`` of its
     elements, evenly spaced. Exact integer arithmetic: equal values give equal sums on any
-    rank, in any order; a parameter from another init or checkpoint differs almost surely."""
+    rank, in any order; a parameter from another init or checkpoint differs almost surely.
+    A DTensor's local values are fingerprinted (a tensor-parallel parameter: the ranks that
+    share it over the data-parallel group hold the same slice), a tensor subclass's plain
+    ones."""
     sums = []
     for _, p in names:
-        flat = p.detach().reshape(-1)
+        flat = values(p).detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
         bits = sample.view(_INTS[sample.element_size()]).to(torch.int64)
         weights = torch.arange(1, len(bits) + 1, dtype=torch.int64, device=bits.device)

@@ -349,6 +349,8 @@ class Unit:
 
     def _free(self) -> None:
         self._unsharded_data.untyped_storage().resize_(0)
+        for sp in self.sharded_params:  # (what a parameter's own form holds: param.py)
+            sp.free_unsharded()
         self.sharded_state = ShardedState.SHARDED
 
     def drop_post_forward_shard(self) -> None:

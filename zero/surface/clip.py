@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from zero import comm
-from zero.core import registry
+from zero.core import placement, registry
 from zero.core.registry import units_of
 from zero.core.rows import local_tensor
 
@@ -35,6 +35,10 @@ def clip_grad_norm_(
         The global norm of the gradients before clipping (a 0-d tensor), on every rank.
     """
     units = units_of(model)
+    # (its norm sums over the data-parallel shards only: a tp-local one is part of a part)
+    placement.refuse(units, "zero.clip_grad_norm_", "clip with torch.nn.utils."
+                     "clip_grad_norm_(model.parameters(), max_norm), which reads the DTensor "
+                     "gradients whole (group the parameters by mesh, as torchtitan does)")
     group = units[0].mesh.group  # the shard group: replicas (HSDP) hold equal shards
     ctx = units[0].root.context
     with comm.raising_together(units[0].mesh.all_group, ctx=ctx):

@@ -21,8 +21,8 @@ does to a module, with ``zero.shard`` underneath:
   after forward, is zero's hpZ: ``_post_forward_group``), ``mp_policy`` (torch's
   ``MixedPrecisionPolicy`` or ours), ``offload_policy`` (torch's ``CPUOffloadPolicy`` or
   ours: ``zero/features/offload.py``), ``ignored_params``, ``shard_placement_fn``
-  (``Shard(0)`` only), ``dp_mesh_dims`` (None only). ``stage`` picks the ZeRO stage (3 by
-  default, as ``fully_shard``).
+  (``Shard(dim)``, any dim that divides, as FSDP2's), ``dp_mesh_dims`` (None only).
+  ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
 
 At stages 1 and 2 the full parameters stay between steps: that is what those stages are. The
 FSDP2 calls that ask to free them (``reshard_after_forward=True``, which torchtitan passes for
@@ -40,7 +40,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Shard
 
 from zero.core import registry
 from zero.features.custom_collectives import CustomCollectives
@@ -85,14 +84,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             "fully_shard(dp_mesh_dims=...) (parameters as DTensors on a larger SPMD mesh) is "
             "not supported by zero: give the data-parallel mesh itself (torchtitan: "
             "parallelism.spmd_backend='partial_dtensor')")
-    if shard_placement_fn is not None:
-        for m in modules:
-            for name, p in m.named_parameters():
-                placement = shard_placement_fn(p)
-                if placement is not None and placement != Shard(0):
-                    raise NotImplementedError(
-                        f"fully_shard(shard_placement_fn=...) returned {placement} for {name}: "
-                        "zero shards every parameter along dim 0 (Shard(0)) only")
     if stage != 3 and reshard_after_forward:
         not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
     if layout != "rows":
@@ -117,6 +108,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
           ignored_params=ignored_params, layout=layout, device=device,
           offload_policy=offload_policy, secondary_group=secondary_group,
+          shard_placement_fn=shard_placement_fn,
           comm_policy=CustomCollectives())  # (zero's own until set_custom_* fill it in)
     for unit in registry.units_on(modules[0]):
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values

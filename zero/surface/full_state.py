@@ -18,15 +18,21 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from zero import comm
-from zero.core import adoption, same_model
+from zero.core import adoption, placement, same_model
 from zero.core.guards import state_dict_access
 from zero.core.registry import is_piece, units_of
+
+
+# A tensor-parallel parameter's shards are of its tp-local tensor, not of the whole one.
+TP_FIX = ("use torch's get_model_state_dict / set_model_state_dict with "
+          "StateDictOptions(full_state_dict=True), which gather the DTensors whole, as on FSDP2")
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
     the compute copy)."""
     units = units_of(model)  # the same order on every rank
+    placement.refuse(units, "zero.full_state_dict", TP_FIX)
     adoption.adopt_agreed(units, "gather a full state dict",
                           fix="Call zero.full_state_dict on every rank (it is collective), then "
                               "keep what you need on rank 0")
@@ -68,6 +74,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     rank (with ``broadcast_from_rank0``, rank 0's, as FSDP2's ``set_model_state_dict``).
     """
     units = units_of(model)
+    placement.refuse(units, "zero.load_full_state_dict", TP_FIX)
     group, ctx = units[0].mesh.all_group, units[0].root.context
     adoption.adopt_agreed(units, f"load a full state dict (broadcast_from_rank0="
                                  f"{broadcast_from_rank0})",

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zero.core import registry
+from zero.core import placement, registry
 from zero.core.registry import units_of
 
 
@@ -46,6 +46,9 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = res
             materialised at full size; it must initialise them in place.
     """
     units = units_of(model)
+    placement.refuse(units, "zero.init_parameters", "give the model memory with "
+                     "model.to_empty(device=...) and run its own init on the DTensors, as on "
+                     "FSDP2")
     if any(u.materialized and u.params for u in units):
         raise RuntimeError("init_parameters is for models sharded from the meta device; "
                            "this one already has values")

@@ -34,6 +34,7 @@ class Options:
     prefetch: int | None = None
     schedule: Any = None
     backend: Any = None
+    shard_placement_fn: Any = None
 
     def but(self, **changes) -> "Options":
         """The same options with ``changes``."""

@@ -25,14 +25,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from zero import api, comm
 from zero.comm.context import CommContext
 from zero.comm.flat_collectives import FlatCollectives
-from zero.core import hooks, registry, same_model
+from zero.core import hooks, placement, registry, same_model
 from zero.core.config import HSDPMeshInfo, MeshInfo, UnitConfig
 from zero.core.registry import piece_of, unit_of, units_of, units_on
 from zero.core.root import Root
 from zero.core.stage import STAGES
 from zero.core.state import Controls
 from zero.core.unit import Unit
-from zero.features import wrap
+from zero.features import all_gather_extension, wrap
 from zero.features.offload import offload_from_torch
 from zero.surface import attach
 from zero.surface.claim import claim, device_of, named
@@ -64,6 +64,7 @@ def shard(
     prefetch: int | None = None,
     schedule=None,
     backend=None,
+    shard_placement_fn=None,
     _leave: frozenset = frozenset(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
@@ -131,6 +132,15 @@ def shard(
             ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
             ``zero.features.logging_backend.LoggingBackend(path)`` writes each one to a file.
 
+        shard_placement_fn: FSDP2's: called with each parameter, returns ``Shard(dim)`` to
+            cut it along ``dim`` instead of 0 (None: dim 0); layout "rows" only, and the dim
+            must divide evenly (notes/16-layouts.md).
+
+    A parameter that already is a DTensor on a tensor-parallel mesh is sharded as FSDP2
+    shards it: its local tensor by rows over ``mesh`` (the data-parallel mesh, cut from the
+    same mesh as the tensor-parallel one), shown as a DTensor on both (layout "rows" only;
+    ``zero/core/placement.py``).
+
     ``prefetch``, ``schedule`` and ``backend`` are the root's to give (the last call, on the
     whole model): there they reach every unit under it, which share one context, as FSDP2's
     units share their root's. A unit below given one that differs from the root's is refused
@@ -151,7 +161,7 @@ def shard(
     options = Options(stage, group, mesh, mp_policy, reshard_after_forward, device,
                       broadcast_buffers, ignored_params, secondary_group, comm_policy,
                       sync_module_states, layout, auto_wrap_policy, sharding_strategy,
-                      offload_policy, prefetch, schedule, backend)
+                      offload_policy, prefetch, schedule, backend, shard_placement_fn)
     if auto_wrap_policy is not None or sharding_strategy is not None:
         return _shard_by_policy(module, options)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -178,6 +188,9 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
         _check_seams(o, offload, layout)
         params, locations, children = claim(modules, stage, mp_policy,
                                             o.reshard_after_forward, ignored)
+        placement.check(layout, named(modules, params), ctx.world_size(group),
+                        o.mesh, o.shard_placement_fn)  # (tensor parallel, Shard(d))
+        all_gather_extension.check(named(modules, params), layout, o.comm_policy, offload)
         if any(child.layout.name != layout.name for child in children):
             raise ValueError(f"the units below {type(modules[0]).__name__} use layout "
                              f"{children[0].layout.name!r}, this call {layout.name!r}: use one "
@@ -245,7 +258,10 @@ def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offloa
         ("prefetch", o.prefetch), ("schedule", same_model.describe(o.schedule)),
         ("mesh", None if o.mesh is None else tuple(o.mesh.shape)),
         ("secondary_group", None if o.secondary_group is None else
-         ctx.world_size(o.secondary_group)))]
+         ctx.world_size(o.secondary_group)),
+        # (two dims of equal size would exchange the same bytes, scrambled, without a word)
+        ("shard_placement_fn", [placement.chosen_dim(o.shard_placement_fn, n, p)
+                                for n, p in names]))]
     desc.append(("values", any(p.is_meta for p in params), o.sync_module_states))
     same_model.check_same_description(desc, all_group, ctx)
     if o.sync_module_states:
@@ -265,12 +281,19 @@ def _make_units(modules, params, locations, stage, mp_policy, layout, offload, d
     units = []
     for k, g in enumerate(groups):
         master_dtype = params[g[0]].dtype if g else torch.float32
-        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, layout, comm_policy,
+        # (a layout placing tensor-parallel and Shard(d) parameters, and what it lays out)
+        placed, laid, placements = placement.lay_out(layout, [params[i] for i in g],
+                                                     mesh_info.world_size, o.shard_placement_fn)
+        # (a tensor subclass deciding its own all-gather: FSDP2's extension)
+        comm = all_gather_extension.policy(comm_policy, [params[i] for i in g])
+        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, placed, comm,
                                  offload, device)
         controls = Controls(reshard_after_forward=o.reshard_after_forward,
                             broadcast_buffers=o.broadcast_buffers and k == 0)
-        units.append(Unit(modules, [params[i] for i in g], [locations[i] for i in g], config,
-                          mesh_info, controls, root))
+        units.append(Unit(modules, laid, [locations[i] for i in g], config, mesh_info,
+                          controls, root))
+        placement.dress(units[-1], placements)
+        all_gather_extension.dress(units[-1], [params[i] for i in g])
     root.add(units)
     for sibling in units[1:]:  # the trainable one, if any: the others follow it
         sibling.place_under(units[0], sibling=True)
@@ -356,5 +379,9 @@ def _mesh_group(mesh, ctx):
     if mesh.size() == ctx.world_size():
         return None
     if not hasattr(mesh, "_zero_all_group"):  # (making a group moves no data: notes/15)
-        mesh._zero_all_group = dist.new_group(sorted(mesh.mesh.flatten().tolist()))
+        # A slice of a larger mesh (HSDP's dims of a (replicate, shard, tp) mesh): each tp
+        # rank's slice differs, and torch's _flatten makes every slice's group on every rank,
+        # in one order, as a new group must be made
+        mesh._zero_all_group = (mesh._flatten().get_group() if mesh.mesh_dim_names
+                                else dist.new_group(sorted(mesh.mesh.flatten().tolist())))
     return mesh._zero_all_group
