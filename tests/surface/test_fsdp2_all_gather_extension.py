@@ -296,6 +296,13 @@ def _refusals(rank, n):
              "comm_policy": (SendsBF16, dict(comm_policy=zero.QuantizedWeights())),
              "offload": (SendsBF16, dict(offload_policy=CPUOffloadPolicy(pin_memory=False))),
              "only pre": (OnlyPre, {})}
+    torch.manual_seed(0)
+    model = zero.fully_shard(wrap_weights(MLP(), SendsBF16), mesh=mesh)
+    try:  # (the subclass gathers itself: a custom AllGather would be left unused, silently)
+        model.set_custom_all_gather(object())
+        out["custom all-gather"] = "accepted"
+    except NotImplementedError as e:
+        out["custom all-gather"] = str(e)
     for name, (cls, kw) in cases.items():
         torch.manual_seed(0)
         model = wrap_weights(MLP(), cls)
@@ -316,6 +323,7 @@ def test_what_cannot_serve_the_extension_refuses_naming_why():
     assert "comm_policy" in out["comm_policy"]
     assert "offload_policy" in out["offload"]
     assert "fsdp_post_all_gather" in out["only pre"]
+    assert "set_custom_all_gather" in out["custom all-gather"], out["custom all-gather"]
 
 
 def test_the_gather_is_a_comm_policy_by_zeros_own_protocol():

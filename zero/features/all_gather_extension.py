@@ -80,13 +80,20 @@ def check(names, layout, comm_policy, offload) -> None:
             raise ValueError(f"{what}, which layout={layout.name!r} cannot show as FSDP2 "
                              "does (a DTensor whose local tensor is the subclass): use "
                              "layout='rows' (zero.fully_shard's default)")
-        if comm_policy is not None:
+        if comm_policy is not None and not _reduces_only(comm_policy):
             raise ValueError(f"{what}: its all-gather is the subclass's to decide, so a "
                              f"comm_policy ({type(comm_policy).__name__}) cannot gather it too")
         if not offload.on_device:
             raise ValueError(f"{what}: the all-gather extension is not served with an offload "
                              "policy here (FSDP2 copies the subclass to the device first); "
                              "leave offload_policy unset for this model")
+
+
+def _reduces_only(comm_policy) -> bool:
+    """``zero.fully_shard``'s own policy for FSDP2's custom collectives while no custom
+    all-gather is set: the subclass gathers, it may still reduce (``set_custom_all_gather``
+    on such a unit is refused: ``zero/surface/fsdp2_module.py``)."""
+    return getattr(comm_policy, "all_gather_comm", False) is None
 
 
 def policy(comm_policy, params):

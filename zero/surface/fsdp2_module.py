@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from zero.core import registry
+from zero.features.all_gather_extension import SubclassGather
 from zero.features.custom_collectives import CustomCollectives
 from zero.surface import controls
 from zero.surface.fsdp2_state import FSDPStateView
@@ -175,12 +176,21 @@ class ZeroFSDPModule(FSDPModule):
     # ---- the collectives ------------------------------------------------------------------
 
     def _collectives(self, recurse: bool = False) -> list[CustomCollectives]:
-        """The comm policies of this module's units: ``fully_shard`` gives each call one."""
-        return list({id(u.config.comm): u.config.comm for u in self._units(recurse)}.values())
+        """The comm policies of this module's units: ``fully_shard`` gives each call one
+        (inside ``SubclassGather`` for a unit whose parameters gather themselves)."""
+        policies = [u.config.comm.inner if isinstance(u.config.comm, SubclassGather)
+                    else u.config.comm for u in self._units(recurse)]
+        return list({id(p): p for p in policies}.values())
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's ``AllGather`` object (``allocate`` and ``__call__``) gathers this module's
         parameters, through zero's comm seam (``zero/features/custom_collectives.py``)."""
+        if any(isinstance(u.config.comm, SubclassGather) for u in self._units()):
+            raise NotImplementedError(
+                "set_custom_all_gather on a module whose parameters use FSDP2's all-gather "
+                "extension (fsdp_pre_all_gather): zero gathers what the subclass returns itself "
+                "and does not pass it to a custom AllGather; use one or the other, or FSDP2's "
+                "fully_shard for both")
         for policy in self._collectives():
             policy.all_gather_comm = comm
 
