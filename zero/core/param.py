@@ -98,13 +98,14 @@ class ShardedParam:
                 "with the model's own DTensors, or copy_ into the parameters), or convert the "
                 "model before zero.shard")
         mine = isinstance(exposed, DTensor)
-        if isinstance(new, DTensor) != mine or (mine and (
-                new.placements != exposed.placements or new.device_mesh != exposed.device_mesh)):
+        if isinstance(new, DTensor) != mine or (isinstance(new, DTensor) and isinstance(
+                exposed, DTensor) and (new.placements != exposed.placements
+                                       or new.device_mesh != exposed.device_mesh)):
             raise RuntimeError(
                 f"a parameter of unit {unit} was replaced after zero.shard by "
                 f"{'a DTensor' if isinstance(new, DTensor) else 'a plain tensor'} "
                 f"{getattr(new, 'placements', '')}, but the unit shows its parameters as "
-                f"{'DTensors ' + str(exposed.placements) if mine else 'plain pieces'}: load "
+                f"{'DTensors ' + str(getattr(exposed, 'placements', '')) if mine else 'plain pieces'}: load "
                 "the model's own kind (its state_dict()'s)")
         with torch.no_grad():
             source = local.reshape(-1) if mine else new.detach().reshape(-1)
@@ -115,8 +116,8 @@ class ShardedParam:
                 piece.copy_(source[start : start + piece.numel()])
         if not isinstance(new, nn.Parameter):
             new = nn.Parameter(new, requires_grad=self.sharded.requires_grad)
-        if mine:
-            new._local_tensor = exposed.to_local()  # (FSDP2 re-points it the same way)
+        if isinstance(exposed, DTensor):  # (FSDP2 re-points its local tensor the same way)
+            setattr(new, "_local_tensor", exposed.to_local())
         else:
             new.data = exposed
         self.sharded = new

@@ -12,7 +12,9 @@ on every rank, naming what differs first.
 
 from __future__ import annotations
 
+
 import re
+from typing import Any
 
 import torch
 
@@ -57,7 +59,7 @@ def first_difference(desc: list, group, ctx) -> str:
     """The first entry of the ranks' ``zero.shard`` descriptions that differs, in words."""
     every = comm.all_gather_object(desc, group=group, ctx=ctx)
     for k in range(max(len(d) for d in every)):
-        items = [d[k] if k < len(d) else None for d in every]
+        items: list[Any] = [d[k] if k < len(d) else None for d in every]
         if all(item == items[0] for item in items):
             continue
         if k < len(_FIELDS):
