@@ -5,7 +5,8 @@ Do it after road step 3 and before step 4, which is its solution. This file is r
 training. Make it ZeRO-3: a unit's full parameters exist only while something needs them.
 The check says what it sees and what is still missing; run it after each change.
 
-Questions to answer on the way (the start page's glossary has the tools, not the answers):
+Questions to answer on the way (the start page's glossary has the tools, not the answers:
+its section "Words used everywhere"):
 
 1. When is a unit done with its full parameters in forward, and what in ``torch.nn.Module``
    lets the unit act at that moment?

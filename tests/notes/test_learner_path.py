@@ -320,7 +320,9 @@ def minimal_part() -> str:
 
 def path_steps() -> list[tuple[str, dict[str, int], int]]:
     """(step, words by kind, minutes of running and doing) along the path to the goal."""
-    start = read("notes/00-start-here.md").split("## From the road's names")[0]
+    page = read("notes/00-start-here.md")
+    start = page.split("## From the road's names")[0]  # and the path's own list, read too:
+    start += page[page.index("## The path"):].split("**Optional")[0]
     road_a, road_b = road_split()
     ex = read("notes/exercises/5_write_stage3.py")
     ex_doc = ex[: ex.index('"""', 3) + 3]

@@ -5,7 +5,8 @@ ZeRO (Rajbhandari et al., SC20, section 5) shards, stage by stage, the optimizer
 (``zero/core/unit.py``) every stage already shards the optimizer state, because the optimizer
 only ever sees this rank's pieces; what the stage decides is which full tensors a rank keeps:
 the parameters between steps, and the gradient until the step. Every stage reduce-scatters a
-unit's gradient as soon as it is complete.
+unit's gradient as soon as it is complete, but stage 1 in mixed precision, which keeps every
+low-precision gradient whole until the end of backward (``keeps_full_gradient``).
 
 Every rule the mechanism follows is derived here, from the two booleans and the unit's dtypes,
 so that nothing else consults the table directly but to ask one of these questions.
