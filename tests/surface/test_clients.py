@@ -177,6 +177,16 @@ def test_fully_shard_with_a_layout_torchs_clipping_misreads_says_so():
 # ---- a parameter replaced after sharding (FSDP2's standard loading) ---------------------------
 
 
+def _two_steps(model, rank) -> None:
+    """Two AdamW steps on each rank's own batch (the same everywhere for both systems)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(2):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _replaced(rank, n, which, how):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -199,12 +209,7 @@ def _replaced(rank, n, which, how):
             owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             setattr(owner, attr, torch.nn.Parameter(distribute_tensor(
                 full[name], p.device_mesh, p.placements)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for s in range(2):
-        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + rank))
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    _two_steps(model, rank)
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
 
@@ -245,12 +250,7 @@ def _from_meta(rank, n, which, how):
         model.load_state_dict({k: torch.nn.Parameter(distribute_tensor(
             full[k], p.device_mesh, p.placements)) for k, p in model.state_dict().items()},
             assign=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for s in range(2):
-        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + rank))
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    _two_steps(model, rank)
     return on_meta, {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                      for k, p in model.named_parameters()}
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 class Reductions:
     """Args:
     units: every unit under the root, in module order, the root first.
-    ctx: the root's ``CommContext``: every reduction is issued through it.
+    root: the per-root context (``zero/core/root.py``): every reduction is issued through
+        its ``CommContext``, whichever it holds then (``share_comm_ctx`` may swap it).
     """
 
-    def __init__(self, units: list, ctx):
-        self.units, self.ctx = units, ctx
+    def __init__(self, units: list, root):
+        self.units, self.root = units, root
         self.queue: list | None = None  # stage 1: the order reductions start in
         self.ready: set = set()  # units whose gradient is complete, waiting for their turn
         self.started: list = []  # reductions started since the root's last forward
@@ -57,7 +58,7 @@ class Reductions:
         self.started.append(unit)
         if not unit.grads.keeps_full:
             self.end_in_flight()
-        unit.grads.start_reduce(self.ctx)
+        unit.grads.start_reduce(self.root.context)
 
     def end_in_flight(self) -> None:
         """End the reduce-scatters in flight that free a full gradient (stages 2/3), the
@@ -67,7 +68,7 @@ class Reductions:
                   if not u.grads.keeps_full and u.grads.reduction is not None]
         most = max((u.grads.max_in_flight for u in self.units), default=1)
         for u in flying[: max(0, len(flying) - most + 1)]:
-            u.grads.wait_reduce(self.ctx)
+            u.grads.wait_reduce(self.root.context)
 
     def finish(self, synced: list) -> None:
         """The end of backward: every gradient not yet reduced, in the units' order, which
@@ -82,4 +83,4 @@ class Reductions:
 
     def wait(self, synced: list) -> None:
         for u in synced:
-            u.grads.wait_reduce(self.ctx)
+            u.grads.wait_reduce(self.root.context)

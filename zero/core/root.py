@@ -139,8 +139,6 @@ class Root:
         its streams) from now on, shared with other roots (pipeline stages, say)."""
         context.take_names(self.context)
         self.context = context
-        if self._reductions is not None:
-            self._reductions.ctx = context
 
     @property
     def units(self) -> list:
@@ -182,7 +180,7 @@ class Root:
     @property
     def reductions(self) -> Reductions:
         if self._reductions is None:
-            self._reductions = Reductions(self.units, self.context)
+            self._reductions = Reductions(self.units, self)
         return self._reductions
 
     # ---- prefetching, as the schedule says ---------------------------------------------
