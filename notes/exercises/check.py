@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "road"))
 import common  # noqa: E402  (notes/road/common.py)
 
-from zerolab.launch import run_ranks  # noqa: E402
+from zerolab.launch import RankError, run_ranks  # noqa: E402
 
 
 def load(path: str):
@@ -39,8 +39,7 @@ def watch(units, ledger) -> dict:
         records=[(x.op, x.unit, x.phase, x.time, x.done) for x in ledger.records
                  if x.op != "agree"],  # (agreements: check mode only)
         root_ahead=len({x.unit for x in ledger.records if (x.op, x.phase) == ("all_gather",
-                        "forward") and x.unit != units[-1].name and x.time < seen["began"]}),
-        full_after_forward=seen["full_after_forward"])
+                        "forward") and x.unit != units[-1].name and x.time < seen["began"]}))
 
 
 def observe(rank: int, n: int, paths: dict) -> dict:
@@ -52,21 +51,14 @@ def observe(rank: int, n: int, paths: dict) -> dict:
 SEEN: dict[int, dict] = {}  # id(units): what the model's own hooks saw in the last forward
 
 
-def holds_full(unit) -> bool:
-    """Whether the unit holds its full parameters now (a storage with bytes in it)."""
-    return unit.full is not None and unit.full.untyped_storage().nbytes() > 0
-
-
 def watched(shard):
-    """``shard``, and two hooks on the model, each run after the units' own: when the root's
-    forward began (after its gathers and prefetches), and which units still hold their full
-    parameters when the model's forward is over (exercise 2 keeps the root's, 5 frees the rest)."""
+    """``shard``, and a hook on the model, run after the units' own: when the root's forward
+    began (after its gathers and prefetches). Which units hold full parameters, the road's
+    harness measures itself, in bytes alive (notes/road/common.py, ``Alive``)."""
     def wrapped(model, blocks):
         units = shard(model, blocks)
         seen = SEEN.setdefault(id(units), {})
         model.register_forward_pre_hook(lambda *_: seen.update(began=time.perf_counter()))
-        model.register_forward_hook(lambda *_: seen.update(
-            full_after_forward=[u.name for u in units if holds_full(u)]))
         return units
     return wrapped
 
@@ -90,7 +82,7 @@ def in_place(r: dict) -> list[str]:
 def root_kept(r: dict) -> list[str]:
     gathered = [unit for op, unit, phase, _ in r["ledger"] if (op, phase) == ("all_gather",
                                                                               "backward")]
-    kept = "root" in r["watched"][-1]["full_after_forward"]
+    kept = "root" in r["full_after_forward"]
     blocks = [f"blocks.{k}" for k in range(common.BLOCKS)]
     if "root" in gathered and kept:
         return ["the root kept its full parameters after its forward, yet its backward "
@@ -142,10 +134,18 @@ def reduce_in_flight(r: dict) -> list[str]:
 
 
 def stage3(r: dict) -> list[str]:
+    lost = r["lost"] or r["lost_after_step"]  # as the forward ended, or after the step
+    if lost:
+        unit, nbytes = next(iter(lost.items()))
+        return [f"{unit}'s full parameters are still alive ({nbytes} bytes) though the unit "
+                f"no longer names them: dropping a reference frees no byte while something "
+                f"else holds the storage, and the views its modules computed with hold it, "
+                f"as do those autograd saved for backward until that backward has run "
+                f"(question 2)"]
     held = max(p[0] for p in r["probes"])
     many = (f"as a block starts its forward, {held} of the {r['units']} units hold full "
             f"parameters; ZeRO-3 holds only the root's and that block's")
-    kept = [u for u in r["watched"][-1]["full_after_forward"] if u != "root"]
+    kept = [u for u in r["full_after_forward"] if u != "root"]
     if held > 2 and kept:
         return [f"{many} ({', '.join(kept)} still hold theirs when the model's forward is over)"]
     gathered = {unit for op, unit, phase, _ in r["ledger"] if (op, phase) == ("all_gather",
@@ -164,19 +164,26 @@ def stage3(r: dict) -> list[str]:
 
 CHECKS = {1: in_place, 2: root_kept, 3: two_ahead, 4: reduce_in_flight, 5: stage3}
 
-HINTS = {  # what an error means, in the terms of the exercise
+HINTS = {  # what an error torch raises means, in the terms of the exercise
     "modified inplace": "autograd saw the refill of a tensor whose views it uses: write where "
                         "it does not look",
     "modified by an inplace operation": "autograd saw the refill of a tensor it had saved: "
                                         "write where it does not look",
-    "storage": "something read a tensor whose storage was freed (0 bytes) before it was filled "
-               "again",
+    "out of bounds for storage of size 0": "something computed with a tensor whose storage "
+                                           "was freed (0 bytes) and not filled again",
+    "'NoneType' object has no attribute": "a name set to None was read again later",
 }
 
 
 def verdicts(paths: dict[str, tuple[int, str]]) -> dict[str, list[str]]:
     """{name: what is wrong} for each (exercise number, file) in ``paths``, on every rank."""
-    reports = run_ranks(observe, 2, {name: path for name, (_, path) in paths.items()})
+    try:
+        reports = run_ranks(observe, 2, {name: path for name, (_, path) in paths.items()})
+    except RankError as e:  # a rank died in C code: no Python error to report
+        said = str(e).splitlines()[-1]
+        return {name: [f"training crashed ({said}): torch's C code read memory that is gone, "
+                       f"most often a tensor whose storage was freed, handed to a collective"]
+                for name in paths}
     out = {}
     for name, (number, _) in paths.items():
         wrong = []  # per rank

@@ -14,6 +14,7 @@ from collections import Counter
 from functools import partial
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zero import comm
 from zerolab.launch import run_ranks
@@ -65,20 +66,23 @@ def _train_one(base, shard, rank, n, ddp_losses, ddp_params, watch) -> dict:
     """Train a copy of ``base`` with ``shard`` beside DDP's results; what one step showed."""
     model = copy.deepcopy(base)
     units = shard(model, model.blocks)
+    alive = Alive(units)
     opt = make_optimizer("adamw", list(model.named_parameters()))  # the same as DDP's
-    ledgers, probes, peak = [], [], {}
+    ledgers, probes, peak, seen = [], [], {}, {}
     for k, block in enumerate(model.blocks):  # runs after the unit's own pre-forward hook
-        block.register_forward_pre_hook(partial(_probe, units, k, ledgers, probes))
+        block.register_forward_pre_hook(partial(_probe, alive, k, ledgers, probes))
+    model.register_forward_hook(lambda *_: seen.update(  # after the units' own hooks
+        full_after_forward=[u.name for u in units if alive.full(u)], lost=alive.lost()))
     losses, diffs, watched = [], [], []
     for s in range(STEPS):
         x, y = base.batch(4, torch.Generator().manual_seed(1000 * s + 10 * rank))
         probes.clear()
         peak.clear()
-        with comm.Ledger(on_record=partial(_sample, units, peak)) as ledger:
+        with comm.Ledger(on_record=partial(_sample, alive, peak)) as ledger:
             ledgers.append(ledger)
             loss = base.loss(model(x), y)
             loss.backward()
-            grad_bytes = held(units)[1]
+            grad_bytes = alive.held()[1]
             if watch is not None:
                 watched.append(watch(units, ledger))
             opt.step()
@@ -94,46 +98,103 @@ def _train_one(base, shard, rank, n, ddp_losses, ddp_params, watch) -> dict:
                 if r.op != "agree"],  # the last step (agreements: check mode only)
         psi=sum(p.numel() for p in base.parameters()), world_size=n,
         optimizer_bytes=sum(t.nbytes for t in state),
-        full_bytes=sum(u.full.untyped_storage().nbytes() for u in units),
+        full_bytes=sum(alive.full(u) for u in units), lost_after_step=alive.lost(),
         grad_bytes=grad_bytes, peak=dict(peak),  # the last step's
-        probes=list(probes), watched=watched)  # probes: the last step's, block by block
+        probes=list(probes), watched=watched, **seen)  # probes: the last step's, block by block
 
 
-def held(units, reading: int = 0) -> tuple[int, int]:
-    """Bytes of parameters and of gradients this rank holds now, each storage counted once.
+class Alive:
+    """The bytes of full parameters this rank really holds: every storage a unit's modules
+    computed with, whatever still names it.
 
-    ``reading``: the bytes of a full gradient that no unit keeps but autograd still holds
-    (the input of a reduce-scatter about to start)."""
-    seen = set()
+    A name is not the bytes. ``unit.full = None`` drops one reference, but the views the unit
+    handed its modules, and the ones autograd saved of them for backward, still hold the
+    storage, and with it every byte. So we look at storages, not names: each one that a unit's
+    modules (or ``unit.full``) ever used is remembered by a weak reference, which keeps nothing
+    alive, and counts for as long as something else keeps it, with the bytes it has now (0
+    once resized to 0)."""
 
-    def size(t) -> int:
-        if t is None or t.untyped_storage().nbytes() == 0 or t.untyped_storage().data_ptr() in seen:
-            return 0
-        seen.add(t.untyped_storage().data_ptr())
-        return t.untyped_storage().nbytes()
+    def __init__(self, units):
+        self.units, self.seen = units, {u.name: {} for u in units}  # {name: {key: weak ref}}
 
-    params = sum(size(u.full) + size(u.shard) for u in units)
-    grads = sum(size(getattr(u, "full_grad", None)) + size(u.shard.grad) for u in units)
-    return params, grads + reading
+    def note(self) -> None:
+        """Remember the storages each unit's modules and its ``full`` use now."""
+        for u in self.units:
+            refs = self.seen[u.name]
+            for t in [getattr(m, a, None) for m, a, _ in u.uses] + [getattr(u, "full", None)]:
+                if isinstance(t, torch.Tensor):
+                    key = t.untyped_storage()._cdata
+                    if key not in refs or refs[key].expired():  # (a new storage, an old address)
+                        refs[key] = StorageWeakRef(t.untyped_storage())
+
+    def storages(self, unit) -> dict[int, int]:
+        """{storage: bytes it has now} of the unit's full parameters alive (in DDP, the shard)."""
+        self.note()
+        refs = self.seen[unit.name]
+        for key in [k for k, r in refs.items() if r.expired()]:
+            del refs[key]
+        return {k: torch.UntypedStorage._new_with_weak_ptr(r.cdata).nbytes()
+                for k, r in refs.items()}
+
+    def full(self, unit) -> int:
+        """Bytes of the unit's full parameters alive now (0: it holds only its shard)."""
+        return sum(self.storages(unit).values())
+
+    def lost(self) -> dict[str, int]:
+        """{unit: bytes} of full parameters alive that ``unit.full`` does not name: storage
+        that a dropped reference did not free."""
+        out = {}
+        for u in self.units:
+            full = getattr(u, "full", None)
+            named = full.untyped_storage()._cdata if isinstance(full, torch.Tensor) else None
+            nbytes = sum(b for k, b in self.storages(u).items() if k != named)
+            if nbytes:
+                out[u.name] = nbytes
+        return out
+
+    def held(self, reading: int = 0) -> tuple[int, int]:
+        """Bytes of parameters and of gradients this rank holds now, each storage counted once.
+
+        ``reading``: the bytes of a full gradient that no unit keeps but autograd still holds
+        (the input of a reduce-scatter about to start)."""
+        params, grads = {}, {}
+
+        def add(out, t) -> None:
+            if isinstance(t, torch.Tensor):
+                out[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+
+        for u in self.units:
+            params.update(self.storages(u))
+            add(params, u.shard)
+            add(grads, getattr(u, "full_grad", None))
+            add(grads, u.shard.grad)
+        return sum(params.values()), sum(grads.values()) + reading
 
 
-def _sample(units, peak, record) -> None:
-    """As each backward collective is recorded (before it runs): the largest bytes held yet."""
+def _sample(alive, peak, record) -> None:
+    """As each collective is recorded, before it runs: the shards still have their bytes (a
+    collective handed a freed one may crash the process), and in backward, the most bytes
+    held yet."""
+    for u in alive.units:
+        if u.shard.untyped_storage().nbytes() < u.shard.numel() * u.shard.element_size():
+            raise RuntimeError(f"{u.name}'s shard, the slice this rank owns and the optimizer "
+                               f"steps, has {u.shard.untyped_storage().nbytes()} bytes left: "
+                               f"something freed a buffer this rank must keep")
     if record.phase != "backward":
         return
-    unit = next((u for u in units if u.name == record.unit), None)
+    unit = next((u for u in alive.units if u.name == record.unit), None)
     kept = unit is not None and getattr(unit, "full_grad", None) is not None
     reading = record.buffer_bytes if record.op == "reduce_scatter" and not kept else 0
-    params, grads = held(units, reading)
+    params, grads = alive.held(reading)
     peak["params"] = max(peak.get("params", 0), params)
     peak["grads"] = max(peak.get("grads", 0), grads)
 
 
-def _probe(units, k, ledgers, probes, module, args) -> None:
-    """As block k starts its forward: how many units hold full parameters, and for how many
-    blocks after it an all-gather was already issued (a prefetch)."""
-    held = sum(u.full is not None and u.full.untyped_storage().nbytes() > 0 for u in units)
-    later = {u.name for u in units[k + 1 : -1]}  # units: the blocks in order, then the root
+def _probe(alive, k, ledgers, probes, module, args) -> None:
+    """As block k starts its forward: how many units hold full parameters (bytes alive, not
+    names), and for how many blocks after it an all-gather was already issued (a prefetch)."""
+    held = sum(alive.full(u) > 0 for u in alive.units)
+    later = {u.name for u in alive.units[k + 1 : -1]}  # units: the blocks in order, the root last
     issued = {r.unit for r in ledgers[-1].records if r.op == "all_gather" and r.phase == "forward"}
     probes.append((held, len(issued & later)))
 

@@ -30,7 +30,21 @@ FAILS_WITH = {
 ROAD_STEP = {1: "2_zero1", 2: "4_zero3", 3: "5_prefetch", 4: "5_prefetch", 5: "3_zero2"}
 SOLVED_BY_ROAD = {5: "4_zero3"}  # a solution that is a road step
 
-# Wrong attempts a learner makes, as edits of the solution: (old, new, what the check must say).
+# Pieces of exercise 5's solution that its wrong attempts change.
+FREE = "        self.full.untyped_storage().resize_(0)\n"  # free(): the body
+GATHER_INTO = (  # gather(): where the values land
+    "        if phase == \"forward\":\n"
+    "            self.full = self.shard.new_empty(self.layout.padded_numel)\n"
+    "        else:  # refill the storage that free() emptied\n"
+    "            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())\n")
+NEW_FULL = "        self.full = self.shard.new_empty(self.layout.padded_numel)\n"
+GATHER_IN_BACKWARD = ("        output.register_hook(lambda grad: self.gather(\"backward\"))  # before the "
+                      "unit's backward\n")
+
+# Wrong attempts a learner makes, as edits of the solution: (old, new, what the check must say);
+# an attempt of several edits gives old and new as tuples.
+# Exercise 5's are the natural wrong ways to free: drop the reference, free the wrong buffer,
+# free too early, never refill; each must be refused with a hint that is true of it.
 WRONG = {
     1: [("full_grad[r * s : (r + 1) * s]", "full_grad[:s]",
          "rank 1: blocks.0's gradient shard lives in the full gradient, but at element 0"),
@@ -76,11 +90,33 @@ WRONG = {
          "autograd saw the refill of a tensor whose views it uses"),
         ("        ctx.unit.free()  # backward is done with the unit's parameters\n", "",
          "bytes of full parameters are left after the step: free each unit again"),
+        # never refill: the gather in backward goes into a new tensor, not the freed one
         ("        else:  # refill the storage that free() emptied\n",
          "        if True:  # a new tensor\n"
          "            self.full = self.shard.new_empty(self.layout.padded_numel)\n"
          "        else:\n",
-         "something read a tensor whose storage was freed (0 bytes) before it was filled again")],
+         "something computed with a tensor whose storage was freed (0 bytes) and not filled again"),
+        # never refill: nothing gathers in backward
+        (GATHER_IN_BACKWARD, "",
+         "something computed with a tensor whose storage was freed (0 bytes) and not filled again"),
+        # free too early: as soon as the modules have their views, before they compute
+        ("            setattr(mod, attr, views[i])  # the module computes with views of the full buffer\n",
+         "            setattr(mod, attr, views[i])  # the module computes with views of the full buffer\n"
+         "        self.free()\n",
+         "something computed with a tensor whose storage was freed (0 bytes) and not filled again"),
+        # free the wrong buffer: the shard, which this rank keeps and the optimizer steps
+        (FREE, "        self.shard.untyped_storage().resize_(0)\n",
+         "blocks.0's shard, the slice this rank owns and the optimizer steps, has 0 bytes left"),
+        # drop the reference: a name goes, the bytes stay (the views hold the storage); training
+        # is bitwise, and an earlier check counted ``unit.full``, not the bytes, and passed it
+        ((FREE, GATHER_INTO), ("        self.full = None\n", NEW_FULL),
+         "blocks.0's full parameters are still alive (50816 bytes) though the unit no longer "
+         "names them: dropping a reference frees no byte"),
+        # drop every reference: the modules' views too; autograd's saved ones still hold it
+        ((FREE, GATHER_INTO), ("        self.full = None\n        for mod, attr, i in self.uses:\n"
+                                "            setattr(mod, attr, None)\n", NEW_FULL),
+         "blocks.0's full parameters are still alive (50816 bytes) though the unit no longer "
+         "names them")],
 }
 
 # Right answers other than the solution, as edits of it: (old, new, where a page says so).
@@ -101,6 +137,14 @@ ACCEPTED = {
 NUMBERS = [1, 2, 3, 4, 5]
 
 
+def edited(text: str, old: str | tuple, new: str | tuple) -> str:
+    """``text`` with each ``old`` (found exactly once) replaced by its ``new``."""
+    for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,)))):
+        assert text.count(o) == 1, o
+        text = text.replace(o, n)
+    return text
+
+
 def solution(number: int) -> str:
     return os.path.join(HERE, "solutions", os.path.basename(EXERCISES[number]))
 
@@ -113,9 +157,8 @@ def verdicts(tmp_path_factory):
         paths[f"{number} solution"] = (number, solution(number))
         text = open(solution(number)).read()
         for k, (old, new, _) in enumerate(WRONG[number]):
-            assert text.count(old) == 1, (number, old)
             attempt = tmp / f"{number}_wrong_{k}.py"
-            attempt.write_text(text.replace(old, new))
+            attempt.write_text(edited(text, old, new))
             paths[f"{number} wrong {k}"] = (number, str(attempt))
         for k, (old1, new1, old2, new2, _) in enumerate(ACCEPTED.get(number, [])):
             assert text.count(old1) == 1 and text.count(old2) == 1, (number, old1, old2)
@@ -221,3 +264,31 @@ def test_the_predictions_are_the_traces_answers():
     done = {k: held(k, "", "autograd is done", 2) for k in (1, 2)}
     assert f"ZeRO-1 holds {done[1]} gradient bytes, ZeRO-2 {done[2]}" in answers
     assert f"holds {held(3, 'blocks.0', 'pre_forward', 1)} parameter bytes" in answers
+
+
+def test_the_harness_counts_the_bytes_alive_not_a_name():
+    """notes/road/common.py's ``Alive``: a unit holds the bytes of every storage its modules
+    computed with for as long as anything keeps it, whatever ``unit.full`` says (issue 50: a
+    check that read ``unit.full`` passed a ZeRO-3 that dropped the name and freed nothing)."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, "..", "road"))
+    import common
+
+    module, full = torch.nn.Module(), torch.zeros(16)
+    module.weight = full[:8].view(2, 4)  # what a unit's pre_forward hands its module
+    unit = types.SimpleNamespace(name="blocks.0", uses=[(module, "weight", 0)], full=full,
+                                 shard=torch.nn.Parameter(torch.zeros(8)))
+    alive = common.Alive([unit])
+    assert alive.full(unit) == 64 and alive.lost() == {}
+    saved = module.weight  # as autograd saves it for backward
+    unit.full, module.weight = None, None  # every name dropped: the bytes stay with the view
+    del full
+    assert alive.full(unit) == 64 and alive.lost() == {"blocks.0": 64}
+    assert alive.held() == (64 + 32, 0)  # and the shard
+    saved.untyped_storage().resize_(0)  # freed: the view stays valid, its bytes are gone
+    assert alive.full(unit) == 0 and alive.lost() == {}
+    del saved  # and gone altogether: nothing is left to count
+    assert alive.storages(unit) == {}
