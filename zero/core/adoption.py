@@ -103,8 +103,14 @@ def adopt_agreed(units: list, what: str, fix: str) -> None:
 
 def refuse_before_backward(unit) -> None:
     """Backward is about to put the unit's views back in its slots: refuse a parameter
-    replaced since forward, which backward would drop (the module note)."""
-    for _, slots, new in replaced(unit):
+    replaced since forward, which backward would drop (the module note). The unit's own views
+    are no replacement: stages 1/2 leave them in the slots until the end of backward, so a
+    second output of the unit reached after its gradient completed (T5's position bias, fed
+    to every later block) finds them there."""
+    views = unit.iteration.views or []
+    for sp, slots, new in replaced(unit):
+        if sp.index < len(views) and new is views[sp.index]:
+            continue
         raise RuntimeError(
             f"'{_name(unit, slots[0])}' was replaced between forward and backward (by "
             f"{_what(new, shape=True)}): backward computes with the parameters forward used, "
