@@ -39,20 +39,41 @@ class AsIs:
 AS_IS = AsIs()
 
 
+class Strided:
+    """The form of a parameter that is not contiguous (a transposed ``nn.Parameter(w.t())``):
+    the module computes with a copy in the parameter's own strides, its gradient going to the
+    view. A view into the flat buffer is contiguous, and some kernels pick their path (and
+    round) by strides, so this is what keeps such a model bit for bit DDP's. The copy is made
+    with the iteration's views and lives as long as they do (one parameter's bytes, kept
+    through stage 3's reshard: the values backward reads are the ones forward read)."""
+
+    def __init__(self, stride: tuple[int, ...]):
+        self.stride = stride
+
+    def unsharded(self, view: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_strided(view.shape, self.stride, dtype=view.dtype, device=view.device)
+        return out.copy_(view)
+
+    def free(self) -> None:
+        """The copy goes with the iteration's views (autograd may still hold it)."""
+
+
 class ShardedParam:
     """Args:
     index: the parameter's place among its unit's (``unit.params[index]``).
     shape: its full shape.
     locations: every (module, attribute name) that uses it.
     sharded: this rank's piece of it, as an ``nn.Parameter`` (made by the unit).
+    stride: the original's strides where it was not contiguous (its ``Strided`` form).
     """
 
     def __init__(self, index: int, shape: torch.Size, locations: list, sharded: nn.Parameter,
-                 offset: int = 0):
+                 offset: int = 0, stride: tuple[int, ...] | None = None):
         self.index, self.shape, self.locations = index, shape, locations
         self.sharded = sharded
         self._offset = offset  # where this rank's piece starts in the flattened parameter
-        self.form = AS_IS  # what the module computes with, made of its view (``unsharded``)
+        # what the module computes with, made of its view (``unsharded``)
+        self.form: AsIs | Strided = AS_IS if stride is None else Strided(stride)
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
         """What the module computes with, given this parameter's view into the unit's full

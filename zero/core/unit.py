@@ -124,7 +124,8 @@ class Unit:
         self.unsharded.requires_grad_(any(p.requires_grad for p in params))
         self.sharded_params = [
             ShardedParam(i, p.shape, locations[i], self._sharded_param(i, p),
-                         getattr(self.local.pieces.get(i), "param_offset", 0))
+                         getattr(self.local.pieces.get(i), "param_offset", 0),
+                         None if p.is_contiguous() else p.stride())
             for i, p in enumerate(params)]
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
         self.grads = Gradient(self.unsharded, self.sharded_params, self.local, self.sharded,
