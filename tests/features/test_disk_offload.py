@@ -396,3 +396,51 @@ def test_a_resume_before_the_first_forward_trains_on_as_cpu_offload(opt_name, tm
     memory = run_ranks(_resumed, 2, None, str(tmp_path / "c2"), opt_name)
     for d, m in zip(disk, memory):
         assert all(torch.equal(d[k], m[k]) for k in m)
+
+
+def _interrupted_then_saved(rank, n, directory, ckpt):
+    """Ctrl-C in the middle of opt.step() (between two units), then an emergency save."""
+    import torch.optim.adam as adam
+
+    torch.manual_seed(0)
+    model = _Branch()
+    for m in (model.a, model.b, model):
+        zero.shard(m, stage=3, offload_policy=zero.DiskOffload(os.path.join(directory, f"r{rank}")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x, True).square().mean().backward()
+    opt.step()
+    model(x, True).square().mean().backward()
+    calls, step = [], adam._single_tensor_adam
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # unit a stepped, unit b not
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    adam._single_tensor_adam = interrupted
+    try:
+        opt.step()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        adam._single_tensor_adam = step
+    said = []
+    for attempt in (lambda: zero.save(ckpt, model, opt), opt.step):
+        try:
+            attempt()
+            said.append("accepted")
+        except RuntimeError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_save_after_a_step_interrupted_part_way_is_refused(tmp_path):
+    """The saved units would disagree on their step count (AdamW's ``step`` 1 for some, 2 for
+    others): the save raises, naming the fix, and the next step still refuses."""
+    for save, step in run_ranks(_interrupted_then_saved, 2, str(tmp_path / "d"),
+                                str(tmp_path / "c")):
+        assert "failed part way" in save and "different steps" in save, save
+        assert "failed part way" in step and "zero.load" in step, step
+    assert not (tmp_path / "c" / "latest").exists()

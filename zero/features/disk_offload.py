@@ -125,10 +125,23 @@ class DiskOffload(CPUOffload):
         store = self.store(optimizer)  # (an optimizer that never stepped has it made here)
         store.pieces = _pieces(optimizer, units)
         store.load_all(optimizer)
+        lent = {id(v) for v in _state_values(optimizer, store.pieces)}
         try:
             yield
-        finally:
+        except BaseException:
             store.store_all(optimizer)
+            raise
+        # A load replaced the state: every unit is at the checkpoint's step again.
+        if any(id(v) not in lent for v in _state_values(optimizer, store.pieces)):
+            store.failed = None
+        store.store_all(optimizer)
+        if store.failed is not None:  # a save (a read) of units stepped a different number of times
+            raise RuntimeError(
+                f"the last opt.step() failed part way under DiskOffload (an exception, or "
+                f"Ctrl-C): the units before {store.failed.name} were stepped, that one and the "
+                "rest were not, so a checkpoint now would hold units at different steps. Save "
+                "before opt.step(), or resume from the last checkpoint (zero.load(path, model, "
+                "opt)), which clears this")
 
 
 def stores_of(optimizer) -> list["StateStore"]:
@@ -325,7 +338,7 @@ class StateStore:
             else:
                 self.forget(unit, params)
         self._keep_unwritten(optimizer, self.pieces)
-        self.held_bytes, self.failed = 0, None  # (a load replaced all of it)
+        self.held_bytes = 0
         if refused is not None:
             raise StateFileError(f"{refused}; that state is kept in memory "
                                  "(optimizer.state)") from refused
@@ -342,6 +355,12 @@ def _pieces(optimizer, units: list) -> list[tuple]:
             if unit in wanted:
                 out.setdefault(unit, []).append(p)
     return list(out.items())
+
+
+def _state_values(optimizer, pieces: list):
+    """Every state value of the parameters in ``pieces`` (to tell whether a load replaced them)."""
+    return [v for _, params in pieces for p in params
+            for v in optimizer.state.get(p, {}).values()]
 
 
 def _moved(value) -> bool:
