@@ -481,6 +481,7 @@ def test_transformers_from_pretrained_with_distributed_config_as_on_fsdp2(tmp_pa
     is sharded on the meta device by its FSDP plan, then loaded weight by weight (``setattr``
     of DTensors, which zero adopts); the loaded values and two training steps bitwise FSDP2's."""
     pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # (transformers refuses a device_map without it)
     from transformers import LlamaConfig, LlamaForCausalLM
     import transformers.distributed.fsdp  # noqa: F401  (here, once: the ranks fork with it)
 
