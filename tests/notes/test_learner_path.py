@@ -398,8 +398,9 @@ def test_the_predict_questions_state_their_premises_and_instants():
     each instant by a row the trace prints, and the answers explain wrong ones."""
     text = " ".join(read("notes/05-stage3.md").split())
     part = text[text.index("## Predict, then check"): text.index("## The step, traced")]
-    for premise in ("A warm-up step runs first", "prefetch order learned in the previous iteration",
-                    "The root keeps its parameters", "in place", "as the next unit's backward begins"):
+    for premise in ("a warm-up step runs first", "prefetch order learned in the previous iteration",
+                    "the root keeps its parameters", "in place", "is waited for when the next "
+                    "unit's gradient is complete", "waited for by the end-of-backward callback"):
         assert premise in part, premise
     questions = re.split(r" (?=\d\. )", part[part.index("The questions"):])[1:]
     assert len(questions) == 5
@@ -475,3 +476,70 @@ def test_the_start_page_states_the_optional_minutes_from_its_words():
         assert abs(int(s) - m) <= max(2, 0.15 * m), (said, [round(x) for x in steps])
     more, more_all = map(int, re.search(r"about (\d+) minutes more, (\d+) with", part).groups())
     assert abs(more - sum(steps)) <= 5 and abs(more_all - sum(steps) - counted["second"]) <= 5
+
+
+# ---- each answer follows from the premises chapter 5 gives before its questions ------------
+
+EQUATION = re.compile(r"(\d+(?:\.\d+)?(?: [+×/] \d+(?:\.\d+)?)+) = (\d+(?:\.\d+)?)")
+
+
+def premises() -> tuple[dict[str, str], str]:
+    """({label: premise} of chapter 5's "Predict, then check", the text before its questions)."""
+    text = " ".join(read("notes/05-stage3.md").split())
+    part = text[text.index("## Predict, then check"): text.index("The questions (one")]
+    return dict(re.findall(r"- \*\*(P\d), ([^*]+?)\*\*", part)), part
+
+
+def sizes_from_p1(part: str) -> set[float]:
+    """What P1 states and what follows from it at once: element counts, Ψ, N, and in bytes
+    (fp32) each unit's full parameters or gradient and this rank's shard of it."""
+    blocks, block, root, psi, n = map(int, re.search(
+        r"a GPT of (\d+) blocks, (\d+) elements each, and a root of (\d+), Ψ = (\d+), on (\d+) "
+        r"ranks, in fp32", part).groups())
+    assert blocks * block + root == psi
+    return {block, root, psi, n, 4 * block, 4 * root, 4 * block / n, 4 * root / n}
+
+
+def test_each_prediction_follows_from_the_premises_before_it():
+    """Issue 50: question 4's answer once rested on a schedule the premises never stated. Each
+    answer names the premises it uses (P1 to P6, all in chapter 5 before the questions), and
+    each wrong answer the premise it missed; every number an answer uses is a size P1 gives, a
+    small factor, or the result of a sum written out in the answers, whose arithmetic holds."""
+    labels, part = premises()
+    assert sorted(labels) == [f"P{k}" for k in range(1, 7)], labels
+    known = sizes_from_p1(part)
+    text = read("notes/exercises/solutions/predict.md")
+    derived: set[float] = set()
+
+    def check_sums(chunk: str) -> None:
+        for left, right in EQUATION.findall(chunk):
+            terms = re.split(r" ([+×/]) ", left)
+            value = float(terms[0])
+            for op, term in zip(terms[1::2], terms[2::2]):
+                value = {"+": value + float(term), "×": value * float(term),
+                         "/": value / float(term)}[op]
+            assert abs(value - float(right)) < 0.0006, (left, right)  # (3 decimals printed)
+            for term in terms[::2]:
+                assert float(term) in known | derived or float(term) <= 8, (term, left)
+            derived.add(float(right))
+
+    preamble, *answers = re.split(r"(?m)^(?=\d\. \*\*)", text)
+    check_sums(" ".join(preamble.split()))
+    assert len(answers) == 5
+    for k, answer in enumerate(answers, 1):
+        main, *wrong = re.split(r"(?m)^   - ", answer)
+        main = " ".join(main.split())
+        check_sums(main)
+        cited = re.search(r"\*Premises:\* ((?:P\d(?:, )?)+)\.", main)
+        assert cited, f"answer {k} names no premise"
+        assert set(cited.group(1).split(", ")) <= set(labels), (k, cited.group(1))
+        for number in re.findall(r"\d+\.\d+|\d{4,}", main):
+            assert float(number) in known | derived, (k, number)
+        assert wrong, k
+        for bullet in wrong:
+            bullet = " ".join(bullet.split())
+            check_sums(bullet)
+            assert re.search(r"\((?:[^()]*; )?P\d\b|the start page|question's instant", bullet), \
+                (k, bullet[:80])
+            for number in re.findall(r"\d+\.\d+|\d{4,}", bullet):
+                assert float(number) in known | derived, (k, number)
