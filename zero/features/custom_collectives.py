@@ -5,7 +5,8 @@ FSDP2 lets a user replace the two collectives of a parameter group with objects 
 Each object answers two questions: where the buffer a collective reads and writes lives
 (``allocate(size, dtype=, device=)``: a memory pool, a process group's own allocator), and
 how the collective is issued (``__call__(output_tensor, input_tensor, group, [op,]
-async_op)``). FSDP2 calls them in ``_fsdp_collectives.py``: the all-gather into a buffer of
+async_op)``). zero calls them with FSDP2's arguments: the all-gather with ``async_op=False``,
+the reduce-scatter without it (on an accelerator both return once queued on their stream). FSDP2 calls them in ``_fsdp_collectives.py``: the all-gather into a buffer of
 (N*S,) the object allocated, this rank's (S,) slot of it as the input (in place); the
 reduce-scatter from an allocated (N*S,) copy of the gradient into an allocated (S,) output,
 with a ``ReduceOp``.
@@ -89,8 +90,11 @@ class CustomCollectives:
         if comm is None:
             work = ctx.all_gather(wire, mine, group=group, unit=unit, phase=phase, async_op=True)
         else:
+            # Called as FSDP2 calls it (its default ``unshard_async_op``): on an accelerator a
+            # collective returns once queued on the side stream; an object that copies out of
+            # a buffer of its own after issuing relies on it having finished on return.
             work = ctx.launch("all_gather", wire, lambda: comm(
-                output_tensor=wire, input_tensor=mine, group=group, async_op=True),
+                output_tensor=wire, input_tensor=mine, group=group, async_op=False),
                 group=group, unit=unit, phase=phase, async_op=True)
         return _Then(work, lambda: full.copy_(wire), full.device)
 
@@ -111,8 +115,8 @@ class CustomCollectives:
             work = ctx.reduce_scatter(out, wire, op=op, group=group, unit=unit, phase=phase,
                                       async_op=True)
         else:
-            work = ctx.launch("reduce_scatter", wire, lambda: comm(
-                output_tensor=out, input_tensor=wire, group=group, op=OPS[op], async_op=True),
+            work = ctx.launch("reduce_scatter", wire, lambda: comm(  # (as FSDP2: no async_op)
+                output_tensor=out, input_tensor=wire, group=group, op=OPS[op]),
                 group=group, unit=unit, phase=phase, async_op=True)
         return _Then(work, lambda: grad[slot].copy_(out), grad.device)
 
