@@ -19,27 +19,29 @@ piece waits for it. The schedules, as each system's code sets them:
   the gather waits only for the previous gather's copy-out, at that unit's start
   (``_fsdp_param_group.py``: ``all_gather_state``). Ours prefetches the next unit when one
   starts its forward (``zero/core/schedule.py``: ``forward_started``): the same overlap. In
-  backward each unit's pre-backward starts the gather of the unit before it; FSDP2's root
-  starts the last block's while the loss and the head run backward, ours when that block's
-  backward begins.
-- **a reduce-scatter runs under the next unit's backward.** FSDP2 keeps one in flight: unit
-  j's must end before unit j-1 issues its own, at the end of j-1's backward
-  (``reduce_scatter_max_input_buffers = 1``). Ours (stages 2 and 3) keeps one in flight too,
-  but waits for it when the next unit's backward *begins* (``zero/core/schedule.py``:
-  ``backward_started`` waits for the reduction in flight): on a GPU the next unit's
-  computation waits for it, so it is exposed. Stage 1 lets every reduction fly and waits at
-  the end of backward (in mixed precision it starts them there: its bf16 gradients are
-  reduced through an fp32 copy, after backward).
+  backward each unit's pre-backward starts the gather of the unit before it, and the root's
+  backward (the loss and the head) starts the last block's, in FSDP2's post-forward order:
+  ours and FSDP2's alike.
+- **a reduce-scatter runs under the next unit's backward.** A unit's reduce-scatter is
+  issued in its post-backward, when its gradient is complete, and waited for in the
+  post-backward of the next unit to finish backward, just before that unit issues its own:
+  FSDP2's ``reduce_scatter_max_input_buffers = 1``, and ours at stages 2 and 3 (its
+  ``reduce_scatter_depth``, FSDP2's ``set_reduce_scatter_max_input_buffers``: ``depth``
+  reductions in flight, each waited that many units later). Stage 1 lets every reduction
+  fly and waits at the end of backward (in mixed precision it starts them there: its bf16
+  gradients are reduced through an fp32 copy, after backward). Under this model ours and
+  FSDP2's expose the same communication.
 - **stages 1 and 2 gather every unit after the step**, all issued when the next forward
   starts; each unit's forward waits for its own.
 - **DDP** all-reduces a bucket once every gradient in it is ready (its buckets: 1 MiB, then
   25 MiB, in reverse order of the parameters), and waits at the end of backward.
 - every system waits for all its collectives before the optimizer step.
 
-The model keeps one collective at a time on a rank's links and lets computation run at full
-speed beside it (a collective's kernels share the GPU's SMs and memory bandwidth; that
-slowdown is not modelled). Collectives of a unit that is neither the root nor a block (units
-by a wrap policy) are not overlapped: they run after backward, exposed.
+The model keeps one collective at a time on a rank's links. While one is in flight, the
+computation beside it runs ``slowdown`` slower (NCCL's kernels take SMs and memory bandwidth
+from it; the presets take the measured mean, ``zerolab/clusters.py``). Collectives of a unit
+that is neither the root nor a block (units by a wrap policy) are not overlapped: they run
+after backward, exposed.
 """
 
 from __future__ import annotations
@@ -58,16 +60,37 @@ class Task:
     before: int | None = None
 
 
-def run(pieces: list[float], tasks: list[Task]) -> dict[str, float]:
+def _stretch(begin: float, work: float, busy: list[tuple[float, float]], slowdown: float) -> float:
+    """When ``work`` seconds of compute started at ``begin`` end, running ``1 + slowdown``
+    times slower wherever an interval of ``busy`` (the network's, sorted) covers it."""
+    t = begin
+    for lo, hi in busy:
+        if hi <= t or work <= 0:
+            continue
+        if lo > t:  # free until the collective starts
+            step = min(work, lo - t)
+            t, work = t + step, work - step
+            if work <= 0:
+                break
+        span = hi - t  # beside the collective: (1 + slowdown) seconds a second of work
+        step = min(work, span / (1 + slowdown))
+        t, work = t + step * (1 + slowdown), work - step
+    return t + work
+
+
+def run(pieces: list[float], tasks: list[Task], slowdown: float = 0.0) -> dict[str, float]:
     """Play the step: ``pieces``, compute seconds in program order (the optimizer step last),
-    and ``tasks`` on the network in the order of their start points. Returns the step's
-    seconds, the computation's, and the communication the computation did not hide."""
+    and ``tasks`` on the network in the order of their start points, the compute running
+    ``1 + slowdown`` times slower while a task is on the network. Returns the step's seconds,
+    the computation's (alone), what contention added to it, and the communication the
+    computation did not hide."""
     last = len(pieces) - 1
     order = sorted(range(len(tasks)), key=lambda i: (
         (-1, 0) if tasks[i].after is None else
         (tasks[i].after[1], 0 if tasks[i].after[0] == "start" else 1), i))
     start, end = {}, {}
     done = [None] * len(tasks)
+    busy: list[tuple[float, float]] = []  # the network's intervals, in order
     net, nxt = 0.0, 0
 
     def known(t: Task):
@@ -79,22 +102,28 @@ def run(pieces: list[float], tasks: list[Task]) -> dict[str, float]:
         nonlocal net, nxt
         while nxt < len(order) and known(tasks[order[nxt]]) is not None:
             t = tasks[order[nxt]]
-            net = max(net, known(t)) + t.seconds
+            begin = max(net, known(t))
+            net = begin + t.seconds
+            if t.seconds > 0:
+                busy.append((begin, net))
             done[order[nxt]] = net
             nxt += 1
 
-    clock = 0.0
+    clock, stretched = 0.0, 0.0
     for k, seconds in enumerate(pieces):
         launch()
         waits = [done[i] for i, t in enumerate(tasks)
                  if (last if t.before is None else min(t.before, last)) == k]
         assert all(w is not None for w in waits), "a piece waits for a task not yet issued"
         start[k] = max([clock, *waits])
-        launch()
-        end[k] = clock = start[k] + seconds
+        launch()  # (a task that can start in this piece is on the network before it ends)
+        end[k] = clock = _stretch(start[k], seconds, busy, slowdown) if slowdown else \
+            start[k] + seconds
+        stretched += clock - start[k] - seconds
         launch()
     compute = sum(pieces)
-    return {"step_s": clock, "compute_s": compute, "exposed_comm_s": clock - compute}
+    return {"step_s": clock, "compute_s": compute, "contention_s": stretched,
+            "exposed_comm_s": clock - compute - stretched}
 
 
 @dataclass(frozen=True)
@@ -116,7 +145,7 @@ def pieces_of(blocks: int) -> dict:
 
 
 def tasks_for(kind: str, blocks: int, units: dict, mixed_precision: bool,
-              start: float = 0.0, end: float = 0.0, buckets=()) -> list[Task]:
+              start: float = 0.0, end: float = 0.0, buckets=(), depth: int = 1) -> list[Task]:
     """The tasks of system ``kind`` (the plan's names) for a model of ``blocks`` blocks.
 
     Args:
@@ -124,6 +153,8 @@ def tasks_for(kind: str, blocks: int, units: dict, mixed_precision: bool,
         start: seconds exposed before the forward (DDP's buffer broadcast, our agreement).
         end: seconds exposed after backward (our used-parameter flags).
         buckets: DDP: (the piece after which a bucket is complete, its seconds), in order.
+        depth: reduce-scatters in flight at stages 2 and 3 (FSDP2's
+            ``reduce_scatter_max_input_buffers``, our ``reduce_scatter_depth``).
     """
     at = pieces_of(blocks)
     fsdp2, stage = kind.startswith("fsdp2"), (None if kind == "ddp" else
@@ -156,8 +187,8 @@ def tasks_for(kind: str, blocks: int, units: dict, mixed_precision: bool,
         if c.gather_backward:
             if u == "root":
                 after = ("end", at["forward tail"])
-            elif u == blocks - 1:  # FSDP2's root prefetches it; ours gathers it when it begins
-                after = ("start", at["backward head"]) if fsdp2 else ("end", at["backward head"])
+            elif u == blocks - 1:  # the root's backward prefetches it (FSDP2's order, ours)
+                after = ("start", at["backward head"])
             else:
                 after = ("start", at["backward"](u + 1))
             tasks.append(Task(c.gather_backward, after, first_backward(u)))
@@ -170,10 +201,8 @@ def tasks_for(kind: str, blocks: int, units: dict, mixed_precision: bool,
                 tasks.append(Task(c.reduce, after, None))
             elif u == "root":
                 tasks.append(Task(c.reduce, ("end", done), None))
-            elif fsdp2:  # waited when the next unit issues its own, at the end of its backward
-                tasks.append(Task(c.reduce, ("end", done), done + 2))
-            else:  # ours: waited when the next unit's backward begins
-                tasks.append(Task(c.reduce, ("end", done), done + 1))
+            else:  # waited when the depth-th unit after it issues its own, at the end of its
+                tasks.append(Task(c.reduce, ("end", done), done + 1 + depth))  # backward
     for piece, seconds in buckets:  # DDP
         tasks.append(Task(seconds, ("end", piece), None))
     others = sum(c.gather_forward + c.gather_backward + c.reduce for u, c in units.items()

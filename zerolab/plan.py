@@ -68,6 +68,10 @@ MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 # rank costs ~70 bytes (benchmarks/simulate.py measured it).
 MAX_MODULES, MAX_WORLD_SIZE = 2000, 1_000_000
 SAMPLE = (3, 4)  # the depths simulated when the blocks are alike
+CAUSES = {"rated": "rated peak s", "mamf": "matmuls' maximum", "waves": "tile waves",
+          "attention": "attention kernel", "hbm": "achieved HBM", "launch": "launches",
+          "power": "power limit", "contention": "beside collectives",
+          "exposed": "exposed comm"}  # --explain's columns (steptime.explain's keys)
 
 
 class StepRecorder(roofline.OpCosts):
@@ -411,9 +415,10 @@ def _extend(a, b, depth: int):
 
 
 def _row(runs: list[dict], kind: str, depth: int, n: int, p, mp: bool = False,
-         scale: float = 1.0) -> dict:
+         scale: float = 1.0, explain: bool = False) -> dict:
     """One system's figures at ``depth`` blocks from one run (exact) or two (SAMPLE), on the
-    preset ``p`` (its GPU's roofline scaled by ``scale``)."""
+    preset ``p`` (its GPU's roofline scaled by ``scale``); with ``explain``, the step's
+    seconds by cause (``steptime.explain``)."""
     cluster = p.cluster
     if len(runs) == 1:
         at = lambda f: f(runs[0])  # noqa: E731
@@ -437,6 +442,8 @@ def _row(runs: list[dict], kind: str, depth: int, n: int, p, mp: bool = False,
         # the step on the GPU: compute by the roofline, collectives overlapped (steptime.py)
         **at(lambda r: steptime.step_time(r, kind, p, mp, scale)),
     }
+    if explain:
+        row["step_s_by_cause"] = at(lambda r: steptime.explain(r, kind, p, mp, scale))
     host = max(seg[k]["host"].get("Total", 0) for k in keys)
     if host:  # CPU offload: what the host holds at most, and what crosses PCIe a step
         row["host_bytes_per_rank"] = host
@@ -566,7 +573,7 @@ def plan(args) -> tuple[dict, list[dict]]:
                              blocks=d, wrap=args.wrap_policy)
                     for d in depths]
         r = _row(runs, kind, info["blocks"], args.world_size, p, args.mixed_precision,
-                 args.efficiency)
+                 args.efficiency, getattr(args, "explain", False))
         tokens = args.batch * args.seq
         r.update(predicted_step_s=r["step_s"], tokens_per_s_per_gpu=tokens / r["step_s"],
                  model_flops_per_token=r["model_flops_per_rank_per_step"] / tokens,
@@ -618,9 +625,13 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
            f"{f', {ac} activation checkpointing' if ac else ''}; {args.world_size} ranks.",
            f"Cluster: {p.cluster.name}; {p.memory_bytes / 1e9:g} GB a GPU ({p.source}).",
            f"GPU time ({d.name}): matmuls at {100 * d.matmul_efficiency:.1f}% of "
-           f"{p.tflops(args.mixed_precision):g} TFLOPS (measured maximum), attention at "
-           f"{100 * d.attention_efficiency:.0f}% (FlashAttention-2, measured), the rest at "
-           f"{d.memory_tbs:g} TB/s (rated){scale}; collectives overlapped as each system "
+           f"{p.tflops(args.mixed_precision):g} TFLOPS (measured maximum) by their tiles' waves "
+           f"on {d.sms} SMs, attention at {100 * d.attention_efficiency:.0f}% (FlashAttention-2, "
+           f"measured), the rest at {100 * d.memory_efficiency:.0f}% of {d.memory_tbs:g} TB/s "
+           f"(measured), {d.launch_us:g} us a kernel at least"
+           f"{f', clocks at {100 * d.clock_factor:.1f}% (power limit)' if d.clock_factor != 1 else ''}"
+           f", {100 * d.comm_slowdown:.1f}% slower beside a collective{scale}; collectives "
+           f"priced as NCCL picks them (zerolab/cost.py) and overlapped as each system "
            f"schedules them (zerolab/overlap.py).",
            f"FLOPs a token: {r0['model_flops_per_token'] / 1e9:.4g} G counted as MFU counts them "
            f"(3 x forward, attention whole), {run_flops / 1e9:.4g} G run (recompute in, causal "
@@ -643,6 +654,16 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
                 f"{k['memory']:.4g}{host} s. "
                 f"Peak GB: what is allocated (live tensors), not what the caching allocator "
                 f"reserves (its cache and fragmentation come on top)."]
+    if getattr(args, "explain", False):
+        out += ["", "The step by cause (each effect added in turn to every operator at the rated "
+                    "peak and bandwidth; zerolab/clusters.py names each source):", "",
+                "| system | " + " | ".join(CAUSES.values()) + " | step s |",
+                "|---|" + "---|" * (len(CAUSES) + 1)]
+        for r in rows:
+            c = r["step_s_by_cause"]
+            out.append(f"| {r['system']} | " + " | ".join(
+                f"{c[k]:.4f} ({100 * c[k] / r['predicted_step_s']:.1f}%)" for k in CAUSES)
+                + f" | {r['predicted_step_s']:.4f} |")
     for r in rows:
         if "host_bytes_per_rank" in r:
             out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB "
@@ -671,9 +692,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tflops", type=float, default=None,
                    help="rated dense TFLOPS a GPU (default: the preset's)")
     p.add_argument("--intra-gbs", type=float, default=None,
-                   help="GB/s a GPU within a node, each way (default: the preset's)")
+                   help="the ring bus bandwidth NCCL reaches within a node, GB/s (default: the "
+                        "preset's)")
     p.add_argument("--inter-gbs", type=float, default=None,
-                   help="GB/s a GPU across nodes, each way (default: the preset's)")
+                   help="one NIC's line rate, GB/s each way (a node's channels spread over "
+                        "its NICs) (default: the preset's)")
     p.add_argument("--efficiency", type=float, default=1.0,
                    help="multiply every achievable compute rate by this: your measured compute "
                         "time over the plan's (default: %(default)s, the preset's sources)")
@@ -692,6 +715,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="units by an FSDP1 auto-wrap policy, transformer:Class[,Class] or size:N "
                         "(runs every block), not the model's repeated blocks (default: the "
                         "repeated blocks)")
+    p.add_argument("--explain", action="store_true",
+                   help="each effect's share of the predicted step, per system (default: off)")
     p.add_argument("--exact", action="store_true",
                    help="simulate every block, not 3 and 4 blocks extended (default: extended "
                         "when the blocks are alike)")

@@ -5,25 +5,42 @@ pass and keeps three numbers for each: its kind, its FLOPs, and the bytes it rea
 writes. ``Roofline`` then prices them on a device:
 
 - a **matmul** (``mm``, ``addmm``, ``bmm``, a grouped expert matmul...) takes
-  ``max(FLOPs / (peak x matmul efficiency), bytes / bandwidth)``: compute-bound when large,
-  memory-bound when thin (a roofline by shape). The efficiency is the maximum achievable
-  matmul throughput measured on that GPU at its best shape (``zerolab/clusters.py`` names
-  each source), so a large matmul runs at what the GPU can reach, not at its rated peak;
-- **attention** (``scaled_dot_product_attention``'s kernels) takes FLOPs over the peak times
-  the attention kernel's own measured efficiency (FlashAttention-2's, for the presets). Its
-  FLOPs are counted here, because torch's flop counter has no formula for the CPU kernel the
-  fake ranks dispatch to: ``4 x batch x heads x seq_q x seq_k x head_dim`` forward (QKᵀ and
-  AV, 2 FLOPs a multiply-add), halved when causal (flash attention skips the tiles above the
-  diagonal, and the GPU does not do that work), and 2.5 times that backward (dQ, dK, dV, dP,
-  and the scores recomputed: FlashAttention-2's backward);
+  ``max(FLOPs / achievable rate, bytes / achieved bandwidth)``: compute-bound when large,
+  memory-bound when thin (a roofline by shape);
+- **attention** (``scaled_dot_product_attention``'s kernels) takes FLOPs at the attention
+  kernel's own measured efficiency (FlashAttention-2's, for the presets). Its FLOPs are
+  counted here, because torch's flop counter has no formula for the CPU kernel the fake ranks
+  dispatch to: ``4 x batch x heads x seq_q x seq_k x head_dim`` forward (QKᵀ and AV, 2 FLOPs
+  a multiply-add), halved when causal (flash attention skips the tiles above the diagonal,
+  and the GPU does not do that work), and 2.5 times that backward (dQ, dK, dV, dP, and the
+  scores recomputed: FlashAttention-2's backward);
 - every other operator is **memory-bound**: its bytes (inputs read, outputs written) over the
-  device's memory bandwidth. A view moves nothing; an embedding lookup reads the rows it
-  returns, not its table.
+  memory bandwidth a kernel achieves. A view moves nothing; an embedding lookup reads the
+  rows it returns, not its table.
+
+Compute as a GPU achieves it is the rated peak less a series of named effects
+(``EFFECTS``), each with its source in ``zerolab/clusters.py`` and each of which
+``Roofline(effects=...)`` can leave out, so that ``python -m zerolab plan --explain`` can say
+what each costs:
+
+- ``mamf``: a matmul reaches at most the *maximum achievable matmul FLOPS* measured at its
+  best shape on that GPU, not the rated peak;
+- ``waves``: tile and wave quantization by shape: cuBLAS splits the output into tiles of
+  256 x 128 and runs them in waves of one tile an SM; a partial tile or a last partial wave
+  costs as much as a full one (NVIDIA, "Matrix Multiplication Background User's Guide");
+- ``attention``: attention at its kernel's measured share of the peak;
+- ``hbm``: memory-bound operators at the bandwidth a streaming kernel measures, not the rated;
+- ``launch``: no kernel takes less than its launch (eager mode launches every operator);
+- ``power``: the clocks a power limit allows, where the preset's source says the GPUs ran
+  under one;
+- ``contention``: compute slowed while a collective runs beside it (NCCL's kernels take SMs
+  and memory bandwidth): applied by ``zerolab/overlap.py`` to the time a collective is in
+  flight.
 
 FLOPs of matmuls come from torch's own ``torch.utils.flop_counter`` formulas. What this
-does not know: kernel launch latency and the CPU's dispatch (eager mode issues each operator
-as a kernel; a step of large operators hides it), fusion (``torch.compile`` would merge the
-memory-bound operators), and tile or wave quantization of odd shapes.
+does not know: fusion (``torch.compile`` would merge the memory-bound operators), the L2
+cache (a small operator's bytes may never reach HBM), and the CPU's own dispatch time when it
+falls behind the GPU.
 """
 
 from __future__ import annotations
@@ -66,6 +83,7 @@ class Op:
     bytes: int
     low_precision: bool  # bf16/fp16 inputs (else fp32: TF32 tensor cores for matmuls)
     dense_flops: float = 0.0  # attention's FLOPs as if not causal (how model FLOPs count them)
+    shape: tuple[int, int, int] = (0, 0, 0)  # a matmul's (batch, rows, columns) of output
 
 
 def _tensors(x):
@@ -118,6 +136,20 @@ def _grouped_mm_flops(args) -> float:
     return 2.0 * args[0].numel() * args[1].shape[-1]
 
 
+_SHAPED = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}  # (a, b) args
+
+
+def matmul_shape(func, args) -> tuple[int, int, int]:
+    """A matmul's output as (batch, rows, columns), for tile and wave quantization; zeros for
+    the operators whose shape is not read here."""
+    where = _SHAPED.get(func._overloadpacket.__name__)
+    if where is None:
+        return (0, 0, 0)
+    a, b = args[where[0]], args[where[1]]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return (int(batch), int(a.shape[-2]), int(b.shape[-1]))
+
+
 def cost_of(func, args, kwargs, out, host: torch.device | None = None) -> Op | None:
     """What one operator costs (None for a view or an allocation, which move nothing); an
     operator on ``host`` tensors (CPU offload's optimizer step) moves host memory."""
@@ -139,7 +171,8 @@ def cost_of(func, args, kwargs, out, host: torch.device | None = None) -> Op | N
     packet = func._overloadpacket
     if packet in flop_registry:
         flops = float(flop_registry[packet](*args, **(kwargs or {}), out_val=out))
-        return Op("matmul", flops, _nbytes(inputs) + _nbytes(outputs), low, flops)
+        return Op("matmul", flops, _nbytes(inputs) + _nbytes(outputs), low, flops,
+                  matmul_shape(func, args))
     if packet is getattr(aten, "_grouped_mm", None):
         flops = _grouped_mm_flops(args)
         return Op("matmul", flops, _nbytes(inputs) + _nbytes(outputs), low, flops)
@@ -184,9 +217,14 @@ class OpCosts(TorchDispatchMode):
         return out
 
 
+EFFECTS = ("mamf", "waves", "attention", "hbm", "launch", "power", "contention")
+TILE = (256, 128)  # cuBLAS's output tile for large half-precision GEMMs (NVIDIA's matmul guide)
+
+
 @dataclass(frozen=True)
 class Device:
-    """What one GPU can do: rated peaks, and the fractions of them a kernel reaches."""
+    """What one GPU can do: rated peaks, and what a kernel reaches of them (each figure's
+    source is named beside the preset, ``zerolab/clusters.py``)."""
 
     name: str
     tflops_bf16: float  # dense, rated
@@ -194,29 +232,56 @@ class Device:
     memory_tbs: float  # HBM bandwidth, rated (TB/s)
     matmul_efficiency: float  # maximum achievable matmul throughput / rated peak, measured
     attention_efficiency: float  # the attention kernel's throughput / rated peak, measured
+    sms: int = 132  # streaming multiprocessors (a wave is one tile on each)
+    memory_efficiency: float = 1.0  # a streaming kernel's bandwidth / rated, measured
+    launch_us: float = 0.0  # the least a kernel takes in eager mode
+    clock_factor: float = 1.0  # the peak under the run's power limit / rated
+    comm_slowdown: float = 0.0  # compute's slowdown while a collective runs
+
+
+def wave_efficiency(shape: tuple[int, int, int], sms: int) -> float:
+    """The share of a matmul's tiles, and of its last wave, that is real work: output
+    (batch, rows, columns) in tiles of ``TILE``, one tile an SM a wave."""
+    batch, m, n = shape
+    if not m or not n:
+        return 1.0
+    tiles = batch * -(-m // TILE[0]) * -(-n // TILE[1])
+    waves = -(-tiles // sms)
+    return batch * m * n / (waves * sms * TILE[0] * TILE[1])
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """Prices ops on ``device``; ``scale`` multiplies every achievable rate (your own
-    measurement: the plan's compute time over the compute time you measured); host ops at
-    ``host_gbs`` of host memory bandwidth."""
+    """Prices ops on ``device`` with ``effects`` (``EFFECTS``: all by default); ``scale``
+    multiplies every achievable rate (your own measurement: the plan's compute time over the
+    compute time you measured); host ops at ``host_gbs`` of host memory bandwidth."""
 
     device: Device
     scale: float = 1.0
     host_gbs: float = 77.0
+    effects: frozenset = frozenset(EFFECTS)
 
     def seconds(self, op: Op) -> float:
-        d = self.device
+        d, on = self.device, self.effects
         peak = (d.tflops_bf16 if op.low_precision else d.tflops_fp32) * 1e12 * self.scale
-        memory = op.bytes / (d.memory_tbs * 1e12 * self.scale)
+        if "power" in on:
+            peak *= d.clock_factor
+        bandwidth = d.memory_tbs * 1e12 * self.scale
+        if "hbm" in on:
+            bandwidth *= d.memory_efficiency
+        memory = op.bytes / bandwidth
+        floor = d.launch_us * 1e-6 if "launch" in on else 0.0
         if op.kind == "matmul":
-            return max(op.flops / (peak * d.matmul_efficiency), memory)
+            rate = peak * (d.matmul_efficiency if "mamf" in on else 1.0)
+            if "waves" in on:
+                rate *= wave_efficiency(op.shape, d.sms)
+            return max(op.flops / rate, memory, floor)
         if op.kind == "attention":
-            return max(op.flops / (peak * d.attention_efficiency), memory)
+            rate = peak * (d.attention_efficiency if "attention" in on else 1.0)
+            return max(op.flops / rate, memory, floor)
         if op.kind == "host":
             return op.bytes / (self.host_gbs * 1e9)
-        return memory
+        return max(memory, floor)
 
     def time(self, ops) -> dict[str, float]:
         """Seconds by kind ("matmul", "attention", "memory") and in total."""
@@ -225,7 +290,6 @@ class Roofline:
             out[op.kind] += self.seconds(op)
         out["total"] = sum(out.values())
         return out
-
 
 def flops(ops) -> float:
     """The FLOPs the GPU runs: recompute included, causal attention's masked half left out."""

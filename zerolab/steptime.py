@@ -10,7 +10,12 @@ ran in. Here:
 2. each collective is priced on the links (``zerolab/cost.py``) and filed under its unit as
    a gather for the forward, a gather for the backward, or a reduction of the gradient;
 3. ``zerolab/overlap.py`` plays the pieces and the collectives together as the system's
-   schedule runs them: the step time, and the communication the computation did not hide.
+   schedule runs them, the computation slowed while a collective runs beside it: the step
+   time, and the communication the computation did not hide.
+
+``explain`` prices the same step with the roofline's effects (``roofline.EFFECTS``) added one
+at a time, from every operator at the rated peak and bandwidth: what each effect adds to the
+step, in that order, and the exposed communication on top: ``--explain``'s lines.
 
 DDP runs no collective in the simulation (its reducer cannot run on fake tensors); its
 all-reduces are its buckets over the gradients, each complete when the last of its
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from zerolab import overlap
 from zerolab.cost import Call, record_time
-from zerolab.roofline import Roofline
+from zerolab.roofline import EFFECTS, Roofline
 
 GATHERS = ("all_gather", "broadcast", "h2d", "read")  # what a unit needs before it computes
 DDP_BUCKETS = (1 << 20, 25 << 20)  # DDP's first bucket, then every other (bucket_cap_mb=25)
@@ -76,10 +81,12 @@ def buckets(grads, depth: int, n: int, cluster) -> list[tuple[int, float]]:
             for piece, b in out]
 
 
-def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float = 1.0) -> dict:
-    """The step of one simulated run on ``preset``: its seconds, compute, exposed
-    communication, compute by kind of operator, and all communication one after another."""
-    roof = Roofline(preset.device, scale, preset.cluster.host_memory_gbs)
+def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float = 1.0,
+              effects=EFFECTS) -> dict:
+    """The step of one simulated run on ``preset`` with the roofline's ``effects``: its
+    seconds, compute, exposed communication, compute by kind of operator, and all
+    communication one after another."""
+    roof = Roofline(preset.device, scale, preset.cluster.host_memory_gbs, frozenset(effects))
     depth = run["depth"]
     keys = piece_keys(depth)
     priced = {k: roof.time(run["ops"].get(k, [])) for k in keys}
@@ -90,8 +97,23 @@ def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float 
     ddp = (buckets(run["grads"], depth, run["world_size"], preset.cluster)
            if kind == "ddp" else ())
     tasks = overlap.tasks_for(kind, depth, units, mixed_precision, start, end, ddp)
-    out = overlap.run(pieces, tasks)
+    slowdown = preset.device.comm_slowdown if "contention" in effects else 0.0
+    out = overlap.run(pieces, tasks, slowdown)
     out["comm_s"] = sum(t.seconds for t in tasks)
     out["compute_s_by_kind"] = {kind_: sum(priced[k][kind_] for k in keys)
                                 for kind_ in ("matmul", "attention", "memory", "host")}
+    return out
+
+
+def explain(run: dict, kind: str, preset, mixed_precision: bool, scale: float = 1.0) -> dict:
+    """Seconds of the step by cause: "rated" (every operator at the rated peak and
+    bandwidth), then what each effect of ``EFFECTS`` adds, in order, and "exposed" (the
+    communication left exposed with every effect on). They sum to the step."""
+    out, before = {}, 0.0
+    for i in range(len(EFFECTS) + 1):
+        t = step_time(run, kind, preset, mixed_precision, scale, EFFECTS[:i])
+        busy = t["step_s"] - t["exposed_comm_s"]  # computing, slowed by contention
+        out["rated" if i == 0 else EFFECTS[i - 1]] = busy - before
+        before = busy
+    out["exposed"] = t["exposed_comm_s"]
     return out

@@ -63,14 +63,33 @@ def test_fsdp2_hides_each_reduce_scatter_under_the_next_units_backward():
     # b1's backward gather under the head's backward (waits 2 s); b1's reduce-scatter runs under
     # b0's backward and b0's under the root's, waited for at the end: 8 s exposed in all
     out = overlap.run(PIECES, overlap.tasks_for("fsdp2", 2, UNITS, True))
-    assert out == {"step_s": 25, "compute_s": 17, "exposed_comm_s": 8}
+    assert out == {"step_s": 25, "compute_s": 17, "contention_s": 0, "exposed_comm_s": 8}
 
 
-def test_ours_waits_for_a_reduce_scatter_when_the_next_backward_begins():
-    # zero/core/schedule.py: backward_started waits for the reduction in flight, so the next
-    # unit's backward starts after it; and the last block's gather starts with its backward
-    out = overlap.run(PIECES, overlap.tasks_for("zero3", 2, UNITS, True))
-    assert out == {"step_s": 29, "compute_s": 17, "exposed_comm_s": 12}
+def test_ours_runs_fsdp2s_schedule_and_a_deeper_queue_hides_more():
+    # zero's stages 2 and 3 wait for a reduce-scatter in the next unit's post-backward, and
+    # the root's backward prefetches the last block, as FSDP2 does: the same step
+    fsdp2 = overlap.run(PIECES, overlap.tasks_for("fsdp2", 2, UNITS, True))
+    assert overlap.run(PIECES, overlap.tasks_for("zero3", 2, UNITS, True)) == fsdp2
+    assert overlap.tasks_for("zero2", 2, UNITS, True)[-3:] == \
+        overlap.tasks_for("fsdp2-noreshard", 2, UNITS, True)[-3:]  # (its reductions)
+    # Deeper: 3 blocks, each reduce-scatter 3 s, each block's backward 2 s. One in flight:
+    # b2's (8-11 s) holds b0's backward to 11, b1's (11-14) holds the root's to 14: 2 s
+    # exposed. Two in flight: each is waited one unit later, under the root's 10 s: none.
+    pieces, units = [1] * 6 + [2, 2, 2, 10, 1], {j: Comm(reduce=3) for j in range(3)}
+    one = overlap.run(pieces, overlap.tasks_for("zero3", 3, units, True))
+    two = overlap.run(pieces, overlap.tasks_for("zero3", 3, units, True, depth=2))
+    assert (one["exposed_comm_s"], two["exposed_comm_s"]) == (2, 0)
+
+
+def test_compute_beside_a_collective_runs_slower():
+    # 4 s of compute; a 2 s collective issued as it starts: while it runs the compute does
+    # 2 / 1.5 = 4/3 s of its work, the other 8/3 s alone after it: 14/3 s, 2/3 s contention
+    out = overlap.run([4, 0], [Task(2, ("start", 0), 1)], slowdown=0.5)
+    assert out["step_s"] == pytest.approx(14 / 3) and out["compute_s"] == 4
+    assert out["contention_s"] == pytest.approx(2 / 3) and out["exposed_comm_s"] == pytest.approx(0)
+    # nothing beside it: no slower
+    assert overlap.run([4, 0], [Task(2, ("end", 0), 1)], slowdown=0.5)["step_s"] == 6
 
 
 def test_nothing_to_hide_behind_is_all_exposed():
@@ -82,6 +101,11 @@ def test_nothing_to_hide_behind_is_all_exposed():
 def test_every_preset_names_its_source_and_a_measured_efficiency():
     for name, p in PRESETS.items():
         assert p.source and p.memory_bytes > 0, name
-        assert 0 < p.device.matmul_efficiency < 1 and 0 < p.device.attention_efficiency < 1
+        d = p.device
+        assert 0 < d.matmul_efficiency < 1 and 0 < d.attention_efficiency < 1
+        assert 0 < d.memory_efficiency < 1 and 0 < d.comm_slowdown < 1 and d.launch_us > 0
+        assert 0 < d.clock_factor <= 1 and p.cluster.nics_per_node > 0, name
+    # only torchtitan's 500 W GPUs run below their rated clocks
+    assert [n for n, p in PRESETS.items() if p.device.clock_factor < 1] == ["h100-96gb"]
     assert {"dgx-h100", "h100-96gb", "dgx-h200", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200",
             "mi300x"} <= set(PRESETS)
