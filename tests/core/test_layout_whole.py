@@ -153,3 +153,41 @@ def _padding(rank, n, model):
 def test_whole_pads_more_than_flat_and_says_how_much():
     got = run_ranks(_padding, 2, "gpt")[0]
     assert got["whole"] >= got["flat"]
+
+
+def _a_second_phase(rank, n, layout):
+    """A second optimizer built after the first stepped every unit (a second fine-tuning
+    phase, ``Trainer.train()`` again, Lightning's LR finder): it trains as DDP's does, and
+    its state dict is refused like the first one's."""
+    torch.manual_seed(0)
+    base = MODELS["mlp"]()
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=getattr(base, "has_unused_parameters",
+                                                                  False))
+    ours = copy.deepcopy(base)
+    for unit in ours.units():
+        zero.shard(unit, stage=2, layout=layout)
+    said = []
+    for phase in range(2):
+        ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2 / (phase + 1))
+        opt = torch.optim.AdamW(ours.parameters(), lr=1e-2 / (phase + 1))
+        for s in range(2):
+            x, y = base.batch(4, torch.Generator().manual_seed(10 * s + rank + 100 * phase))
+            base.loss(ddp(x), y).backward()
+            base.loss(ours(x), y).backward()
+            for o in (ref_opt, opt):
+                o.step()
+                o.zero_grad()
+        try:
+            opt.state_dict()
+            said.append("given")
+        except RuntimeError as e:
+            said.append(str(e))
+    full = zero.full_state_dict(ours)
+    return said, all(torch.equal(full[k], p) for k, p in ddp.module.named_parameters())
+
+
+@pytest.mark.parametrize("layout", ["whole", "flat"])
+def test_an_optimizer_built_after_the_first_stepped_gets_zeros_hooks(layout):
+    for said, same in run_ranks(_a_second_phase, 2, layout):
+        assert all("zero.save" in s for s in said), said
+        assert same

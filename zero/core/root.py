@@ -87,7 +87,6 @@ class Root:
         self.backwards = 0  # backward passes since the root's last forward began
         self.is_last_backward = True  # False: another backward of this forward order follows
         self.watching = None  # the global hook listening for optimizers (zero/surface/attach.py)
-        self._served: set = set()  # trainable units an optimizer with zero's hooks stepped
 
     def add(self, units: list) -> None:
         """Units this ``zero.shard`` call made; the first is the new top."""
@@ -117,17 +116,8 @@ class Root:
         for u in below.members:
             u.attach(self)
         self.members = below.members + self.members
-        self._served |= below._served
 
     # ---- the optimizers (``zero/surface/attach.py``'s note) ------------------------------
-
-    def served(self, unit) -> None:
-        """An optimizer with zero's hooks stepped ``unit``: once every trainable unit is, stop
-        listening to every optimizer's step."""
-        self._served.add(unit)
-        if self.watching is not None and all(
-                u in self._served for u in self.members if u.unsharded.requires_grad):
-            self.stop_watching()
 
     def stop_watching(self) -> None:
         if self.watching is not None:

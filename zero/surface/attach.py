@@ -26,10 +26,11 @@ results; each way in gets a hook that either does the right thing or raises, nam
 [Note: finding the optimizers] torch gives no hook for an optimizer being built, so zero
 learns of one at its first step. Each root listens (``watch``) with torch's global step
 pre-hook, which asks each optimizer stepping whether it holds the root's pieces and attaches
-the two hooks above if so; once every trainable unit of the root is served by an optimizer
-that way, the root stops listening (the global hook is removed), so that in steady state no
-hook of zero's runs for an optimizer it does not serve. A root whose units no optimizer ever
-steps keeps listening, and lets go when it is garbage collected.
+the two hooks above if so. It listens for as long as the root lives: an optimizer may be
+built at any time (a second fine-tuning phase, ``Trainer.train()`` called again, Lightning's
+learning-rate finder), and one that got no hooks would give its state dict in pieces without
+a word and skip the offload policies' part of the step. For an optimizer already looked at,
+the global hook returns after one look at its ``_zero_seen`` mark.
 """
 
 from __future__ import annotations
@@ -225,8 +226,7 @@ def _refuse_whole_tensor_optimizers(optimizer, units) -> None:
 def _after_step(optimizer, args, kwargs) -> None:
     """The policies' part after the step; then mark every unit with a parameter in
     ``optimizer`` as stepped: the next forward refreshes it on every rank, whether or not this
-    rank holds any of its elements (``whole``). A root whose trainable units are all served by
-    an optimizer stops listening for optimizers (module note)."""
+    rank holds any of its elements (``whole``)."""
     units = units_of_optimizer(optimizer)
     settings = optimizer.__dict__.pop("_zero_step_settings", None)
     if settings is not None and settings != _settings(optimizer):
@@ -238,7 +238,6 @@ def _after_step(optimizer, args, kwargs) -> None:
         policy.after_step(optimizer, its_units)
     for unit in units:
         unit.mark_stepped()
-        unit.root.served(unit)
 
 
 def _shows_dtensors(module) -> bool:
