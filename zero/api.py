@@ -26,11 +26,18 @@ Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/root.py``;
                                                           ``zerolab/memory.py``
 Backend       ``TorchBackend`` (``zero/comm/backend.py``),  ``zero/comm/context.py`` only
               ``LoggingBackend`` (``zero/features/``)
+ParamForm     ``AsIs`` (``zero/core/param.py``),          ``zero/core/param.py``
+              ``Placement`` (``zero/core/placement.py``),  (``ShardedParam.unsharded``,
+              ``SubclassForm`` (``zero/features/``)       ``free_unsharded``)
 ============  ==========================================  ====================================
 
-Two more describe what a seam is handed: ``Comm``, the root's comm context (a comm policy
-issues its collectives through it: recorded in the ledger, waits bounded, through the root's
-backend), and ``UnitView``, what a schedule sees of a unit.
+``ParamForm`` is the one seam inside the mechanism: a parameter's own form is set by the
+mechanism (tensor parallel, a tensor subclass's all-gather), not given to ``zero.shard``, so
+``check`` is not asked about it. Two more protocols describe what a seam is handed: ``Comm``,
+the root's comm context (a comm policy issues its collectives through it: recorded in the
+ledger, waits bounded, through the root's backend), and ``UnitView``, what a schedule sees of
+a unit. Each of zero's own objects is checked against its protocol by mypy
+(``tests/test_types.py``), as well as by signature at run time.
 """
 
 from __future__ import annotations
@@ -78,10 +85,16 @@ class Comm(Protocol):
     """The root's comm context (``zero/comm/context.py``), as a policy sees it: each
     collective is recorded in the ledger, agreed in check mode, bounded in its wait, and sent
     through the root's backend. ``unit`` and ``phase`` name it in the ledger. With
-    ``async_op`` a handle is returned; without, the collective has ended on return."""
+    ``async_op`` a handle is returned; without, the collective has ended on return. The
+    backend answers what the context does not ask itself: a group rank's global rank
+    (``ctx.backend.global_rank(group, r)``, qgZ's check of its mesh), the world's group."""
 
+    @property
+    def backend(self) -> Backend: ...  # its questions: ``global_rank``, ``world()``...
     def rank(self, group=None) -> int: ...
     def world_size(self, group=None) -> int: ...
+    def alone(self, group=None) -> bool: ...  # a group of one rank: nothing to send
+    def name_group(self, group, name: str) -> None: ...  # its name in the ledger
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, group, unit: str,
                    phase: str, async_op: bool = False) -> Any: ...
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, op: str, group,
@@ -94,6 +107,17 @@ class Comm(Protocol):
                   async_op: bool = False) -> Any: ...
     def launch(self, op: str, buffer: torch.Tensor, start, *, group, unit: str, phase: str,
                async_op: bool = False) -> Any: ...  # start() issues it (a custom object)
+
+
+class ParamForm(Protocol):
+    """What the module computes with for one parameter (``ShardedParam.form``), made of the
+    parameter's view into the unit's full buffer: the view itself (``AsIs``), a DTensor on
+    its tensor-parallel mesh (``Placement``), or what its tensor subclass builds from the
+    all-gather (``SubclassForm``). FSDP2 decides the same once per parameter
+    (``FSDPParam.init_unsharded_param``)."""
+
+    def unsharded(self, view: torch.Tensor) -> torch.Tensor: ...  # after each gather
+    def free(self) -> None: ...  # the unit reshards: drop what it holds besides the buffer
 
 
 class UnitView(Protocol):
@@ -161,11 +185,13 @@ class OffloadPolicy(Protocol):
     part of the optimizer step (``zero/features/offload.py``). ``units`` below are the units
     (``UnitView``) of the optimizer's parameters that use this policy, in its order."""
 
-    on_device: bool  # the shard lives on the compute device (may sit inside the full buffer)
+    @property
+    def on_device(self) -> bool: ...  # the shard lives on the compute device (may sit inside
+    # the full buffer); read only: a class attribute, an instance's, or a property will do
 
     def home(self, compute: torch.device) -> torch.device: ...
     def pinned(self, compute: torch.device) -> bool: ...
-    def check(self, layout) -> None: ...  # raise if this layout class cannot be served
+    def check(self, layout: type[Layout]) -> None: ...  # raise if it cannot serve it
     def to_device(self, shard: torch.Tensor, device: torch.device, unit: str,
                   phase: str) -> torch.Tensor: ...
     def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor: ...
@@ -211,6 +237,7 @@ class Backend(Protocol):
 
 def _members(protocol) -> tuple[list[str], list[str]]:
     attributes = [n for n in protocol.__dict__.get("__annotations__", {})]
+    attributes += [n for n, v in vars(protocol).items() if isinstance(v, property)]
     methods = [n for n, v in vars(protocol).items()
                if inspect.isfunction(v) and (not n.startswith("_") or n == "__init__")]
     return attributes, methods

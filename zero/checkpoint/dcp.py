@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zero import comm
+from zero.comm.context import CommContext
 from zero.checkpoint import reader, validate
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
@@ -265,7 +266,7 @@ def first_names(model: nn.Module) -> dict[nn.Parameter, str]:
     return {p: name for name, p in model.named_parameters()}  # a tied parameter: its first name
 
 
-def _on_rank0(ctx, what: str, fn: Callable, *args):
+def _on_rank0(ctx: CommContext, what: str, fn: Callable, *args):
     """Run ``fn`` on rank 0; every rank returns its result or raises its error (never hangs)."""
     outcome = None
     if ctx.rank() == 0:

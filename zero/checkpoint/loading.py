@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.tensor import DTensor
 
 from zero import comm
+from zero.comm.context import CommContext
 from zero.checkpoint import reader, validate, safe_pickle
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.dcp import PLACED_FIX, check_optimizer, entries_of, first_names, resident
@@ -147,7 +148,7 @@ _ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
                                    safe_pickle.UntrustedCheckpointError)}
 
 
-def _agreed(ctx, path: str, checks_: Callable, *args):
+def _agreed(ctx: CommContext, path: str, checks_: Callable, *args):
     """Run ``checks_`` on every rank, then agree, in one small all-gather, before any collective
     that moves data: every rank returns, or every rank raises (its own error, or else the first
     failing rank's). Ranks can see different files: a node-local disk, an unfinished copy."""
@@ -251,7 +252,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
     return chunks_to_flat(unit, [_local(c) if c is not None else None for c in chunks])
 
 
-def _raise_together(ctx, ckpt: str, failure: str | None) -> None:
+def _raise_together(ctx: CommContext, ckpt: str, failure: str | None) -> None:
     """After the units: every rank raises if one rank's read failed (its checks had passed:
     a disk's read error). The units it had loaded hold what the other ranks sent."""
     told = comm.all_gather_object(failure, ctx=ctx)

@@ -155,6 +155,7 @@ class _Unpickler(pickle._Unpickler):
     small keys (see the notes)."""
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    stack: list[Any]  # (the pure-Python unpickler's, which load() sets; typeshed omits it)
     # (the pure-Python unpickler starts a new stack at each MARK: the items are the stack)
     for _op, _keys in ((pickle.SETITEM, lambda s: s[-2:-1]), (pickle.SETITEMS, lambda s: s[0::2]),
                        (pickle.DICT, lambda s: s[0::2]), (pickle.ADDITEMS, lambda s: s),

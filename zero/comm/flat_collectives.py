@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from zero import api
+
 
 class FlatCollectives:
     """Cast, then all-gather in place; reduce-scatter in place."""
@@ -27,7 +29,8 @@ class FlatCollectives:
     in_place_ok = True  # the shard may be this rank's slot of the full buffer (stages 1/2)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx):
+                   in_place: bool, group, unit: str, phase: str,
+                   ctx: api.Comm) -> api.Work:
         """Start filling ``full`` (N*S,) from every rank's ``shard`` (S,); ``full[slot]`` is
         this rank's place, and ``in_place`` says that ``shard`` *is* that slot (stages 1/2
         without a cast). Returns a handle: ``full`` is readable after its ``wait()``."""
@@ -38,7 +41,7 @@ class FlatCollectives:
         return ctx.all_gather(full, mine, group=group, unit=unit, phase=phase, async_op=True)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str, ctx):
+                       phase: str, ctx: api.Comm) -> api.Work:
         """Start reducing ``grad`` (N*S,) over the ranks into ``grad[slot]`` (S,). Returns a
         handle: ``grad[slot]`` holds this rank's slice of the sum (or mean) after ``wait()``."""
         # In place: our slice of the mean lands in our own slot of the full gradient, so while
@@ -47,7 +50,7 @@ class FlatCollectives:
                                   async_op=True)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
-                   ctx) -> None:
+                   ctx: api.Comm) -> None:
         """Reduce ``tensor`` over the ranks of ``group``, in place, and wait (HSDP's average of
         a reduced gradient shard over the replicas)."""
         ctx.all_reduce(tensor, op=op, group=group, unit=unit, phase=phase)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zero import api
+from zero.comm.context import CommContext
 from zero.core.stage import Stage
 
 
@@ -50,7 +51,8 @@ class UnitConfig:
     device: torch.device
 
     @classmethod
-    def make(cls, stage: Stage, mp_policy, master_dtype, layout, comm, offload,
+    def make(cls, stage: Stage, mp_policy, master_dtype: torch.dtype,
+             layout: type[api.Layout], comm: api.CommPolicy, offload: api.OffloadPolicy,
              device) -> "UnitConfig":
         """The dtypes follow FSDP2: ``param_dtype`` None computes in the parameters' dtype,
         ``reduce_dtype`` None reduces in ``param_dtype``."""
@@ -100,7 +102,7 @@ class MeshInfo:
     replicas: int = 1  # HSDP's copies of the sharded model (``HSDPMeshInfo``)
 
     @classmethod
-    def over(cls, ctx, group, all_group=None, placement=None, post_forward=None,
+    def over(cls, ctx: api.Comm, group, all_group=None, placement=None, post_forward=None,
              **kw) -> "MeshInfo":
         """The unit's place in ``group``, as ``ctx``'s backend answers it."""
         return cls(group, ctx.rank(group), ctx.world_size(group),
@@ -112,7 +114,8 @@ class MeshInfo:
         size = padded_numel // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
-    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str, ctx) -> None:
+    def reduce_replicas(self, shard: torch.Tensor, op: str, comm: api.CommPolicy, unit: str,
+                        ctx: CommContext) -> None:
         """Average a reduced gradient shard over the replicas: here there are none."""
 
 
@@ -123,7 +126,8 @@ class HSDPMeshInfo(MeshInfo):
 
     replicate_group: Any = None
 
-    def reduce_replicas(self, shard: torch.Tensor, op: str, comm, unit: str, ctx) -> None:
+    def reduce_replicas(self, shard: torch.Tensor, op: str, comm: api.CommPolicy, unit: str,
+                        ctx: CommContext) -> None:
         # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica),
         # on the all-reduce stream (FSDP2's), which the computation then waits for
         streams = ctx.streams(shard.device)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from zero.api import Piece, ShardInfo  # (the values every layout returns)
+from zero.api import Layout, Piece, ShardInfo  # (the values every layout returns)
 
 
 class FlatLayout:
@@ -123,7 +123,7 @@ class LocalShard:
         rank: the rank in the unit's group.
     """
 
-    def __init__(self, layout, rank: int):
+    def __init__(self, layout: Layout, rank: int):
         self.layout, self.rank = layout, rank
         info = layout.shard(rank)
         self.slot = slice(info.offset, info.offset + info.size)  # in the (N*S,) flat buffer

@@ -44,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from zero.api import Layout
+
 
 class Placement:
     """One parameter's place besides its rows (see the module note).
@@ -197,7 +199,7 @@ def placements_of(params, world_size: int, shard_placement_fn=None) -> list[Plac
     return [Placement.of(p, world_size, chosen_dim(shard_placement_fn, "", p)) for p in params]
 
 
-def check(layout, names, world_size: int, mesh, shard_placement_fn=None) -> None:
+def check(layout: type[Layout], names, world_size: int, mesh, shard_placement_fn=None) -> None:
     """Raise, naming the parameter and what to do, if a parameter of a unit about to be made
     cannot be placed: a tensor-parallel DTensor or a ``Shard(d)`` under a layout that cannot
     place parameters (only "rows" can), a placement FSDP2 refuses too."""
@@ -237,7 +239,7 @@ def _check_tensor_parallel(what: str, spec, mesh) -> None:
                          f"init_device_mesh(..., mesh_dim_names=('dp', 'tp')) ({e})") from None
 
 
-def lay_out(layout, params, world_size: int, shard_placement_fn=None):
+def lay_out(layout: type[Layout], params, world_size: int, shard_placement_fn=None):
     """The layout class for a unit of ``params`` and the tensors it lays out (``check``ed
     first): ``layout`` and ``params`` themselves when every parameter is plain; else the
     layout ``placing`` them, and each parameter's local values in rows (a copy only for
@@ -249,7 +251,8 @@ def lay_out(layout, params, world_size: int, shard_placement_fn=None):
     for p, placement in zip(params, placements):
         t = placement.in_rows(values(p).detach())
         laid.append(t.requires_grad_(p.requires_grad) if t.is_floating_point() else t)
-    return layout.placing(placements), laid, placements
+    # (check() raised unless the layout can place parameters: it has ``placing``)
+    return layout.placing(placements), laid, placements  # type: ignore[attr-defined]
 
 
 def dress(unit, placements) -> None:

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from zero.api import Piece, ShardInfo
+from zero.api import Layout, Piece, ShardInfo, Work
 from zero.core.flat import LocalShard
 from zero.core.placement import Placement
 
@@ -161,10 +161,10 @@ class CopiedOut:
     """An all-gather into a layout's own buffer (``rows``): ``wait()`` copies it out into the
     buffer the parameters view, and lets the gathered one go."""
 
-    def __init__(self, work, layout, wire: torch.Tensor, compute: torch.Tensor):
+    def __init__(self, work: Work, layout: Layout, wire: torch.Tensor, compute: torch.Tensor):
         self.work, self.layout, self.wire, self.compute = work, layout, wire, compute
 
     def wait(self):
         self.work.wait()
         self.layout.from_wire(self.wire, into=self.compute)
-        self.wire = None
+        del self.wire  # (the gathered buffer goes, once copied out)

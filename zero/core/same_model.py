@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from zero import comm
+from zero.comm.context import CommContext
 from zero.core.placement import values
 
 AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and call zero.shard "
           "in the same order, with the same arguments, on every rank")
 
 
-def check_same_description(desc: list, group, ctx) -> None:
+def check_same_description(desc: list, group, ctx: CommContext) -> None:
     """Agree on ``desc`` (zero.shard's description of a unit); raise naming the first
     difference, on every rank, if the ranks' differ."""
     try:
@@ -55,7 +56,7 @@ _FIELDS = ["the modules' classes", "stage", "mp_policy", "reshard_after_forward"
            "broadcast_buffers", "ignored_params"]
 
 
-def first_difference(desc: list, group, ctx) -> str:
+def first_difference(desc: list, group, ctx: CommContext) -> str:
     """The first entry of the ranks' ``zero.shard`` descriptions that differs, in words."""
     every = comm.all_gather_object(desc, group=group, ctx=ctx)
     for k in range(max(len(d) for d in every)):
@@ -99,7 +100,7 @@ def fingerprint(names) -> torch.Tensor:
     return torch.stack(sums)
 
 
-def check_same_values(names, group, ctx) -> None:
+def check_same_values(names, group, ctx: CommContext) -> None:
     """Raise on every rank, naming the parameters, unless every rank holds the same values
     (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
     n = ctx.world_size(group)
@@ -120,7 +121,7 @@ def check_same_values(names, group, ctx) -> None:
             "to copy rank 0's, or shard on the meta device and load after (zero.load)")
 
 
-def take_rank0_values(modules, params, group, ctx) -> None:
+def take_rank0_values(modules, params, group, ctx: CommContext) -> None:
     """``sync_module_states``: rank 0's values of ``params`` and of the modules' buffers on
     every rank, in one broadcast per dtype (the unit's full size, once, at sharding time)."""
     if any(p.is_meta for p in params):

@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from zero import api
 from zero.comm.flat_collectives import FlatCollectives
 
 
@@ -51,7 +52,8 @@ def has_extension(t: torch.Tensor) -> bool:
     return hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather")
 
 
-def check(names, layout, comm_policy, offload) -> None:
+def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
+          offload: api.OffloadPolicy) -> None:
     """Raise, naming the parameter and what to do, if a parameter with the extension cannot
     be served here."""
     for name, p in names:
@@ -89,7 +91,7 @@ def check(names, layout, comm_policy, offload) -> None:
                              "leave offload_policy unset for this model")
 
 
-def _reduces_only(comm_policy) -> bool:
+def _reduces_only(comm_policy: api.CommPolicy) -> bool:
     """``zero.fully_shard``'s own policy for FSDP2's custom collectives while no custom
     all-gather is set: the subclass gathers, it may still reduce (``set_custom_all_gather``
     on such a unit is refused: ``zero/surface/fsdp2_module.py``)."""
@@ -132,11 +134,11 @@ class _ComputesWith(torch.autograd.Function):
     built: the forward computes with ``built``, the gradient goes to the view."""
 
     @staticmethod
-    def forward(ctx, view, built):
+    def forward(ctx: Any, view: torch.Tensor, built: torch.Tensor) -> torch.Tensor:
         return built.detach()  # (a new tensor object over the same data: autograd's output)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -237,9 +239,11 @@ class SubclassGather:
 
     in_place_ok = False  # the send buffer is made here, never the full buffer's slot
 
-    def __init__(self, inner=None):
-        self.inner = inner if inner is not None else FlatCollectives()
-        self.unit = None  # bound by ``dress``, once the unit is made
+    def __init__(self, inner: api.CommPolicy | None = None):
+        # (Any, not api.CommPolicy, until zero/surface/fsdp2_module.py's ``_collectives``
+        # says that the policy inside is its CustomCollectives)
+        self.inner: Any = inner if inner is not None else FlatCollectives()
+        self.unit: Any = None  # the Unit (rows: its layout's columns), bound by ``dress``
 
     def __repr__(self) -> str:
         return f"SubclassGather({self.inner!r})"
@@ -249,7 +253,8 @@ class SubclassGather:
                 if isinstance(sp.form, SubclassForm)}
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx):
+                   in_place: bool, group, unit: str, phase: str,
+                   ctx: api.Comm) -> api.Work:
         """Fill ``full`` (N*S,) rank-major with every rank's plain rows, and each subclass
         parameter's outputs, from one all-gather of this rank's bytes."""
         layout, n = self.unit.layout, self.unit.mesh.world_size
@@ -276,11 +281,13 @@ class SubclassGather:
         return _Arrived(work, send, got, goes, [t.numel() for t in as_sent], mixed,
                         forms, full.dtype, n)
 
-    def reduce_scatter(self, grad, slot, *, op, group, unit, phase, ctx):
+    def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
+                       phase: str, ctx: api.Comm) -> api.Work:
         return self.inner.reduce_scatter(grad, slot, op=op, group=group, unit=unit,
                                          phase=phase, ctx=ctx)
 
-    def all_reduce(self, tensor, *, op, group, unit, phase, ctx) -> None:
+    def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
+                   ctx: api.Comm) -> None:
         self.inner.all_reduce(tensor, op=op, group=group, unit=unit, phase=phase, ctx=ctx)
 
 

@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
+from zero import api
 from zero.comm import ledger
 
 
@@ -45,7 +46,7 @@ class OnDevice:
     def home(self, compute: torch.device) -> torch.device:
         return compute
 
-    def check(self, layout) -> None:
+    def check(self, layout: type[api.Layout]) -> None:
         """Every layout is served."""
 
     def pinned(self, compute: torch.device) -> bool:
@@ -83,7 +84,7 @@ class CPUOffload:
         """Where the shards live."""
         return torch.device("cpu")
 
-    def check(self, layout) -> None:
+    def check(self, layout: type[api.Layout]) -> None:
         """Raise if this policy cannot serve units of ``layout`` (a ``zero.surface.policies`` layout)."""
 
     def pinned(self, compute: torch.device) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from zero import api
 from zero.comm.flat_collectives import FlatCollectives
 
 BLOCK = 256  # elements per scale (ours; DeepSpeed's qwZ groups by a similar fixed size)
@@ -77,7 +78,8 @@ class QuantizedWeights(FlatCollectives):
         return q.view(-1), scale.view(-1)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx):
+                   in_place: bool, group, unit: str, phase: str,
+                   ctx: api.Comm) -> api.Work:
         if in_place:
             raise ValueError("QuantizedWeights (qwZ) rewrites every rank's slot of the full "
                              "buffer with dequantized values: it needs the shard apart from it "

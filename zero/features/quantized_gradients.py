@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from zero import api
 from zero.comm.flat_collectives import FlatCollectives
 from zero.features.quantized import dequantize_rows, quantize_rows
 
@@ -110,7 +111,7 @@ class QuantizedGradients(FlatCollectives):
         return r * (nb * self.block // 2 + 4 * nb)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str, ctx):
+                       phase: str, ctx: api.Comm) -> api.Work:
         n, g = self.nodes, self.per_node
         sharded_over = [ctx.backend.global_rank(group, r) for r in range(ctx.world_size(group))]
         if sharded_over != self.ranks:  # (the same answer on every rank of the group)
@@ -136,7 +137,9 @@ class QuantizedGradients(FlatCollectives):
 class _SecondHop:
     """Hop 1 in flight; ``wait()`` sums it, runs hop 2, and leaves the shard in ``grad[slot]``."""
 
-    def __init__(self, policy, work, recv, grad, slot, size, op, unit, phase, ctx):
+    def __init__(self, policy: QuantizedGradients, work: api.Work, recv: torch.Tensor,
+                 grad: torch.Tensor, slot: slice, size: int, op: str, unit: str, phase: str,
+                 ctx: api.Comm):
         self.policy, self.work, self.recv, self.grad, self.slot = policy, work, recv, grad, slot
         self.size, self.op, self.unit, self.phase, self.ctx = size, op, unit, phase, ctx
 
@@ -158,4 +161,4 @@ class _SecondHop:
         if self.op == "avg":
             total /= n * g
         self.grad[self.slot].copy_(total)
-        self.work = self.recv = self.grad = None
+        del self.work, self.recv, self.grad  # (they go)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zero.api import Layout
 from zero.core.flat import FlatLayout
 from zero.core.rows import RowsLayout
 from zero.core.whole import WholeLayout
@@ -32,10 +33,10 @@ from zero.core.whole import WholeLayout
 # Who holds which element (notes/16-layouts.md): FSDP1's and DeepSpeed's flat pieces (the
 # default), FSDP2's rows (DTensor parameters, FSDP2's sums at any world size), whole parameters
 # (for optimizers that read a whole tensor: Adafactor, Muon).
-LAYOUTS = {"flat": FlatLayout, "rows": RowsLayout, "whole": WholeLayout}
+LAYOUTS: dict[str, type[Layout]] = {"flat": FlatLayout, "rows": RowsLayout, "whole": WholeLayout}
 
 
-def layout_class(layout):
+def layout_class(layout: str | type) -> type[Layout]:
     """``LAYOUTS[name]``, or a layout class given as it is."""
     if isinstance(layout, str):
         if layout not in LAYOUTS:
