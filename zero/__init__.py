@@ -1,36 +1,50 @@
 """zero: ZeRO stages 1, 2 and 3, written from scratch on torch.distributed collectives.
 
-New to ZeRO? Read ``minimal`` first: the whole idea in one file. Then the package, one folder a
+New to ZeRO? Read ``minimal.py`` first: the whole idea in one file. Then the package, one folder a
 role, read bottom-up: a file imports only from its own folder and the ones listed before it
-(``benchmarks/shape.py`` counts the exceptions: none).
+(``benchmarks/shape.py`` counts the exceptions: none). Every file is named here
+(``tests/test_maps.py`` holds this list, notes/15's and the README's to the tree).
 
-- ``api`` every seam, as a protocol: ``Layout``, ``CommPolicy``, ``OffloadPolicy``,
-  ``Schedule``, ``Backend`` (notes/15 says which idea goes through which); it imports nothing
-  of zero;
-- ``comm/`` the collectives: ``backend`` (the one place torch.distributed is called:
-  ``TorchBackend``), ``context`` (a root's ``CommContext``), ``ledger`` (every collective
-  recorded), ``waits`` (every wait bounded), ``agree`` (ranks that diverge raise),
-  ``collectives``, ``objects``, ``flat_collectives`` (how a unit's flat buffers cross the ranks);
-- ``core/`` the mechanism: ``state`` (a unit's states, its iteration, its controls),
-  ``flat``, ``rows`` and ``whole`` (the three layouts), ``stage`` (the policy table and every
-  rule derived from it), ``config`` (a unit's frozen policies and its mesh: HSDP, hpZ),
-  ``tree``, ``param`` (one original parameter), ``grads`` (a unit's gradient), ``unit`` (the
-  parameter group: unshard / reshard; ``held()``), ``registry`` (who owns what),
-  ``schedule`` (prefetch and the order of reductions), ``guards`` and ``saved_tensors``
-  (what stands between a user and a silent wrong result), ``same_model`` (the ranks agree on
-  the model), ``optimizers`` (which of torch's optimizers step pieces), ``root`` (what the
-  root does for all units), ``hooks`` (the life of a unit in one iteration);
-- ``checkpoint/`` sharded checkpoints, read as data only (``validate``, ``safe_pickle``); it
-  asks the offload policies for the optimizer state (``resident``) and imports no feature;
-- ``features/`` each one object behind a seam: ``offload`` (``OnDevice``, ``CPUOffload``),
-  ``disk_offload`` and ``disk_files`` (the optimizer state in files), ``quantized`` and
-  ``quantized_gradients`` (ZeRO++'s qwZ and qgZ), ``logging_backend``, ``wrap`` (FSDP1's
-  auto-wrap policies and strategies);
-- ``surface/`` what a user calls: ``shard`` (the entry point), ``fsdp2`` (``fully_shard``),
-  ``policies`` (``MixedPrecision``, the layouts by name), ``controls`` (FSDP2's control
-  surface), ``clip``, ``full_state`` (full state dicts), ``meta_init``, ``grad_scaler``, and
-  ``attach`` (zero's hooks on the optimizers and modules it serves);
-- ``__main__`` the command line (``python -m zero export``).
+- ``api.py`` every seam, as a protocol: ``Layout``, ``CommPolicy``, ``OffloadPolicy``,
+  ``Schedule``, ``Backend``, ``ParamForm`` (notes/15 says which idea goes through which); it
+  imports nothing of zero;
+- ``comm/`` the collectives: ``backend.py`` (the one place torch.distributed is called:
+  ``TorchBackend``), ``context.py`` (a root's ``CommContext``), ``ledger.py`` (every
+  collective recorded), ``waits.py`` (every wait bounded), ``agree.py`` (ranks that diverge
+  raise), ``collectives.py`` (the same collectives as functions), ``objects.py`` (Python
+  objects between ranks), ``flat_collectives.py`` (how a unit's flat buffers cross the ranks);
+- ``core/`` the mechanism: ``state.py`` (a unit's states, its iteration, its controls),
+  ``flat.py``, ``rows.py`` and ``whole.py`` (the three layouts), ``stage.py`` (the policy
+  table and every rule derived from it), ``config.py`` (a unit's frozen policies and its
+  mesh: HSDP, hpZ), ``tree.py`` (the tensors in structured inputs and outputs),
+  ``placement.py`` (a parameter's placement: tensor parallel, ``Shard(dim)``), ``param.py``
+  (one original parameter), ``grads.py`` (a unit's gradient), ``unit.py`` (the parameter
+  group: unshard / reshard; ``held()``), ``registry.py`` (who owns what), ``schedule.py``
+  (prefetch), ``reductions.py`` (the order of reduce-scatters), ``guards.py``,
+  ``saved_tensors.py`` and ``adoption.py`` (what stands between a user and a silent wrong
+  result: misuse, freed parameters, parameters replaced after sharding), ``same_model.py``
+  (the ranks agree on the model), ``running_stats.py`` (BatchNorm's statistics drifting
+  apart), ``optimizers.py`` (which of torch's optimizers step pieces), ``root.py`` (what the
+  root does for all units), ``hooks.py`` (the life of a unit in one iteration);
+- ``checkpoint/`` sharded checkpoints on DCP in FSDP2's layout: ``dcp.py`` (save) and
+  ``loading.py`` (load), ``directory.py`` (the versions, the atomic flip of ``latest``),
+  ``fsdp2_layout.py`` (FSDP2's per-parameter chunks), read as data only (``reader.py``,
+  ``validate.py``, ``safe_pickle.py``); it asks the offload policies for the optimizer state
+  (``resident``) and imports no feature;
+- ``features/`` each one object behind a seam: ``offload.py`` (``OnDevice``,
+  ``CPUOffload``), ``disk_offload.py`` and ``disk_files.py`` (the optimizer state in files),
+  ``quantized.py`` and ``quantized_gradients.py`` (ZeRO++'s qwZ and qgZ),
+  ``logging_backend.py``, ``all_gather_extension.py`` (FSDP2's ``fsdp_pre_all_gather``: a
+  subclass decides what is sent), ``custom_collectives.py`` (FSDP2's custom ``AllGather`` /
+  ``ReduceScatter`` objects), ``wrap.py`` (FSDP1's auto-wrap policies and strategies);
+- ``surface/`` what a user calls: ``shard.py`` (the entry point), ``options.py`` (its
+  arguments in one object), ``claim.py`` (which parameters a call takes), ``fsdp2.py``,
+  ``fsdp2_module.py`` and ``fsdp2_state.py`` (``fully_shard``: FSDP2's signature, its
+  ``FSDPModule`` methods, what torch's functions read of its state), ``policies.py``
+  (``MixedPrecision``, the layouts by name), ``controls.py`` (FSDP2's control surface),
+  ``clip.py``, ``full_state.py`` (full state dicts), ``meta_init.py``, ``grad_scaler.py``,
+  and ``attach.py`` (zero's hooks on the optimizers and modules it serves);
+- ``__main__.py`` the command line (``python -m zero export``).
 """
 
 from zero.checkpoint import load, save
