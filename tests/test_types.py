@@ -72,3 +72,26 @@ def test_mypy_passes_over_zero(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_a_read_only_member_of_a_protocol_is_checked_at_run_time_too():
+    """``on_device`` is a property in ``OffloadPolicy`` (so a class attribute, an instance's or
+    a property all fit it, for mypy): ``api.check`` still asks for it, as for any member."""
+    import contextlib
+
+    from zero import api
+
+    class Offload:  # every member of OffloadPolicy but on_device
+        def home(self, compute): return compute
+        def pinned(self, compute): return False
+        def check(self, layout): pass
+        def to_device(self, shard, device, unit, phase): return shard
+        def to_host(self, shard, unit, keep=False): return shard
+        def before_step(self, optimizer, units, args, kwargs): return None
+        def after_step(self, optimizer, units): pass
+        def resident(self, optimizer, units): return contextlib.nullcontext()
+
+    with pytest.raises(TypeError, match="it lacks 'on_device'"):
+        api.check(Offload(), api.OffloadPolicy, "offload_policy")
+    Offload.on_device = True  # type: ignore[attr-defined]
+    api.check(Offload(), api.OffloadPolicy, "offload_policy")
