@@ -32,8 +32,10 @@ if TYPE_CHECKING:  # (read by mypy only: never imported, never run)
     from zero.core.flat import FlatLayout
     from zero.core.param import AsIs, ShardedParam
     from zero.core.placement import Placement
+    from zero.core.root import Order
     from zero.core.rows import RowsLayout
     from zero.core.schedule import Schedule
+    from zero.core.unit import Unit
     from zero.core.whole import WholeLayout
     from zero.features.all_gather_extension import SubclassForm, SubclassGather
     from zero.features.custom_collectives import CustomCollectives
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # (read by mypy only: never imported, never run)
     mesh: DeviceMesh
     sharded_param: ShardedParam
     subclass_param: torch.Tensor
+    unit: Unit
 
     # Layout: a class, made by the mechanism as Layout(shapes, world_size)
     layouts: list[type[api.Layout]] = [FlatLayout, RowsLayout, WholeLayout]
@@ -63,8 +66,10 @@ if TYPE_CHECKING:  # (read by mypy only: never imported, never run)
     forms: list[api.ParamForm] = [
         AsIs(), Placement(torch.Size([4]), 2),
         SubclassForm(sharded_param, subclass_param, nn.Linear(1, 1), None)]
-    # Comm: what a comm policy is handed (the root's CommContext)
+    # Comm: what a comm policy is handed (the root's CommContext); what a schedule is handed
     comm: api.Comm = CommContext()
+    unit_view: api.UnitView = unit
+    order: api.Order = Order([unit])
 
 
 def test_mypy_passes_over_zero(tmp_path):

@@ -122,11 +122,15 @@ class ParamForm(Protocol):
 
 class UnitView(Protocol):
     """What a schedule or an offload policy sees of a unit: its name (its module path after
-    the first forward), its modules, and its sharded parameters (what the optimizer steps)."""
+    the first forward), its modules, and its sharded parameters (what the optimizer steps).
+    Each is read, never set: an attribute or a property will do."""
 
-    name: str
-    modules: list[nn.Module]
-    params: list[nn.Parameter]
+    @property
+    def name(self) -> str: ...
+    @property
+    def modules(self) -> list[nn.Module]: ...
+    @property
+    def params(self) -> list[nn.Parameter]: ...
 
 
 class Order(Protocol):
