@@ -139,6 +139,7 @@ class Order(Protocol):
     units: list  # every unit under the root, in module order, the root first
     this_iteration: list  # forward so far, this iteration (the unit asking is the last)
     last_iteration: list  # the whole forward of the previous iteration
+    post_forward: list  # this iteration's units in the order their forwards ended (backward's)
 
 
 # ---- the seams -------------------------------------------------------------------------------

@@ -72,19 +72,25 @@ def schedule(units: list[int], stage: int, n: int, tensors: int = 0,
         if stage == 3:
             gathered = {0, i, *ahead(order, i)}  # (the root keeps its parameters)
             worst = max(worst, 4 * sum(units[j] for j in gathered))
-    root = {0} if stage == 3 else set()
-    for i in reversed(range(len(units))):  # backward, unit by unit, last first
-        done = sum(shard[j] for j in range(i + 1, len(units)))  # shards of the later units
-        later = i + 1 < len(units)
-        if later:  # unit i starts: unit i + 1's reduce-scatter ends, its shard is copied out
-            # (gathered: i, and those unit i + 1 prefetched with it; i + 1 was freed)
-            gathered = root | set(behind(order, i + 1)) if stage == 3 else set()
-            grads = done - shard[i + 1] + units[i + 1] + shard[i + 1]
-            if i == 0:  # the root's backward began first, at its output: it waits at its end,
-                grads += units[0]  # with its own full gradient formed
-            worst = max(worst, 4 * grads + 4 * sum(units[j] for j in gathered))
-        gathered = root | {i, *behind(order, i)} if stage == 3 else set()  # i and its prefetched
-        worst = max(worst, 4 * (done + units[i]) + 4 * sum(units[j] for j in gathered))
+    # Backward prefetches in the order forwards ended (the blocks, then the root), and the
+    # gradients complete in reverse: the last block's first, the root's (embeddings) last.
+    # At each unit's post-backward its full gradient is formed while the reduce-scatter of
+    # the unit before it is still in flight with its own (two full gradients); that one
+    # ends (its shard copied out beside it), and this one's starts.
+    ended = [*order[1:], 0]
+    flying, done = None, 0  # the reduction in flight; the shards of those that ended
+    for i in [*reversed(order[1:]), 0]:
+        gathered = set()
+        if stage == 3:  # the root; a block with those it prefetched (the rest were freed)
+            gathered = {0} | ({i, *behind(ended, ended.index(i))} if i else set())
+        grads = done + units[i] + (units[flying] + shard[flying] if flying is not None else 0)
+        worst = max(worst, 4 * grads + 4 * sum(units[j] for j in gathered))
+        if flying is not None:
+            done += shard[flying]
+        flying = i
+    if flying is not None:  # the end of backward ends the last one
+        worst = max(worst, 4 * (done + units[flying] + shard[flying]) +
+                    (4 * units[0] if stage == 3 else 0))
     at_rest = params + 4 * sum(shard) + optim  # the gradient shards, after backward
     peak = max(at_rest, params + worst + optim)
     return {"at_rest": at_rest, "in_flight": peak - at_rest, "peak": peak}

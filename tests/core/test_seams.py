@@ -246,8 +246,9 @@ class _Recorder:
         self.log, self.now, outer = log, None, self
 
         class Stream:
-            def __init__(self, name=None):
+            def __init__(self, name=None, priority=0):
                 self.name = name or f"s{len(log)}"
+                log.append(f"{self.name} made with priority {priority}")
 
             def wait_stream(self, other):
                 log.append(f"{self.name} waits {other.name}")
@@ -289,9 +290,11 @@ def _streams(rank, n):
         streams = zero.units_of(model)[0].root.context.streams(torch.device("cpu"))
         names = {streams.copy_in: "copy_in", streams.all_gather: "all_gather",
                  streams.reduce_scatter: "reduce_scatter", streams.all_reduce: "all_reduce"}
+        made = [line for line in log if " made with priority " in line]
         for s, name in names.items():
             s.name = name
         log.clear()
+        log += made
         _step(model, opt, rank, 1)
     finally:
         torch.get_device_module = real
@@ -301,11 +304,14 @@ def _streams(rank, n):
 def test_collectives_run_on_the_contexts_streams_in_fsdp2s_order():
     """Each all-gather: the copy-in stream waits for the computation, the all-gather stream
     for the copy-in, and the computation for the gather's event before it reads; each
-    reduce-scatter: its stream waits for the computation, which waits for its event."""
+    reduce-scatter: its stream waits for the computation, which waits for its event. The four
+    side streams are made with FSDP2's high priority (-1)."""
     log = run_ranks(_streams, 2)[0]
     gathers = [i for i, line in enumerate(log) if line.startswith("all_gather records")]
     reduces = [i for i, line in enumerate(log) if line.startswith("reduce_scatter records")]
     assert len(gathers) >= 3 and len(reduces) >= 3, log
+    made = [line for line in log if " made with priority " in line and "compute" not in line]
+    assert len(made) == 4 and all(line.endswith("priority -1") for line in made), made
     for i in gathers:
         event = log[i].split()[-1]
         assert log[i - 3 : i] == ["copy_in waits compute", "all_gather waits copy_in",

@@ -584,8 +584,10 @@ def _gathers_nothing_for_pos_emb(shown):
 
 def _second_backward_prefetches(shown):
     # Step 0: the first backward is not the last, so the second prefetches by the forward
-    # order too; step 1: each is the last, and the second has no order to prefetch by.
-    assert shown == [["blocks.0"], ["blocks.0"], ["blocks.0"], []]
+    # order too; step 1: each is the last, and the second has no order to prefetch by. Each
+    # backward that has one prefetches in the order forwards ended, as FSDP2: the root's
+    # backward (loss, head) gathers blocks.1, whose backward gathers blocks.0.
+    assert shown == [["blocks.1", "blocks.0"]] * 3 + [[]]
 
 
 def _nothing_left_to_discard(shown):

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from zero.comm.context import label
 from zero.core import adoption, guards
 from zero.core.root import root_of
 from zero.core.state import ShardedState
@@ -67,6 +68,27 @@ def in_backward() -> bool:
 
 
 def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
+    with label("pre_forward", unit.name):  # (each hook a profiler range: context.py's note)
+        return _pre_forward(unit, module, args, kwargs)
+
+
+def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
+    with label("post_forward", unit.name):
+        return _post_forward(unit, module, args, output)
+
+
+def pre_backward(unit, grad: torch.Tensor) -> None:
+    with label("pre_backward", unit.name):
+        _pre_backward(unit, grad)
+
+
+def post_backward(unit, leaf: torch.Tensor) -> None:
+    """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
+    with label("post_backward", unit.name):
+        _post_backward(unit, leaf)
+
+
+def _pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     root = root_of(unit)
     if unit.config.cast_inputs:
         args, kwargs = map_tensors(unit.cast, (args, kwargs))
@@ -100,7 +122,7 @@ def pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
     return args, kwargs
 
 
-def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
+def _post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
     if unit.config.output_dtype is not None:  # (a recompute too: reentrant backward: dtypes)
         output = map_tensors(unit.cast_output, output)
     if in_backward() or in_forward_method(unit):
@@ -116,6 +138,8 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
         if last:
             unit.reshard()  # no backward will come for this forward
         return output
+    if last:
+        root_of(unit).forward_ended(unit)  # (backward prefetches in the order forwards end)
     if unit.reshard_after_forward and last:
         unit.reshard(after_forward=True)  # hpZ: backward gathers within the node
     for t in tensors_in(output):
@@ -124,7 +148,7 @@ def post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
-def pre_backward(unit, grad: torch.Tensor) -> None:
+def _pre_backward(unit, grad: torch.Tensor) -> None:
     if unit.iteration.state is not State.PRE_BACKWARD:  # the first of its outputs reached
         adoption.refuse_before_backward(unit)  # a parameter replaced since forward
         root = root_of(unit)
@@ -141,8 +165,7 @@ def pre_backward(unit, grad: torch.Tensor) -> None:
             use_unsharded_views(unit)  # for a recompute inside the unit's forward
 
 
-def post_backward(unit, leaf: torch.Tensor) -> None:
-    """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
+def _post_backward(unit, leaf: torch.Tensor) -> None:
     root = root_of(unit)
     root.queue_final_callback()
     unit.iteration.state = State.POST_BACKWARD

@@ -1,11 +1,13 @@
 """The order reduce-scatters start in: a rule every rank follows alike, one per root.
 
 Collectives pair up by the order they are issued in, so every rank must issue the reductions
-in the same order. Stages 2/3 start each as its gradient completes, as FSDP2 does, and keep at
-most one in flight, ended before the next unit's gradient begins, so that one unit's full
-gradient is alive at a time besides the shards (FSDP2's
-``set_reduce_scatter_max_input_buffers(k)`` lets k fly: ``max_in_flight``, memory for overlap
-when the reductions are slower than backward). Stage 1, which keeps every full gradient until
+in the same order. Stages 2/3 start each as its gradient completes, as FSDP2 does, and keep
+``depth`` in flight (1 by default): a unit's reduce-scatter runs under the next unit's
+backward, and that unit's post-backward ends it just before issuing its own, as FSDP2's
+``post_backward`` does. So two full gradients are alive at the peak besides the shards: the
+one being reduced and the one being computed (with ``zero.shard(..., reduce_scatter_depth=k)``
+or FSDP2's ``set_reduce_scatter_max_input_buffers(k)``, k + 1: memory for overlap when the
+reductions are slower than a unit's backward). The last is ended at the end of backward. Stage 1, which keeps every full gradient until
 the step anyway, lets them all fly, and starts them in one fixed order (the units' own,
 reversed: backward's usual one), each once those before it have started, as DDP starts its
 buckets; so units may run in another order on each rank.
@@ -15,6 +17,8 @@ its reductions in another order would exchange the wrong units' gradients.
 """
 
 from __future__ import annotations
+
+from zero.comm.context import label
 
 
 class Reductions:
@@ -58,17 +62,26 @@ class Reductions:
         self.started.append(unit)
         if not unit.grads.keeps_full:
             self.end_in_flight()
-        unit.grads.start_reduce(self.root.context)
+        with label("post_backward_reduce", unit.name):
+            unit.grads.start_reduce(self.root.context)
 
     def end_in_flight(self) -> None:
-        """End the reduce-scatters in flight that free a full gradient (stages 2/3), the
-        oldest first, until fewer than ``max_in_flight`` remain (one by default: none is left):
-        each unit's own ``reduction`` says so (nothing here keeps a second record of it)."""
+        """Before a reduce-scatter that frees a full gradient (stages 2/3) is issued: end those
+        in flight, the oldest first, until fewer than ``depth`` remain (one by default: none
+        is left). Each unit's own ``reduction`` says which fly (nothing here keeps a second
+        record of it)."""
         flying = [u for u in dict.fromkeys(self.started)
                   if not u.grads.keeps_full and u.grads.reduction is not None]
-        most = max((u.grads.max_in_flight for u in self.units), default=1)
-        for u in flying[: max(0, len(flying) - most + 1)]:
-            u.grads.wait_reduce(self.root.context)
+        for u in flying[: max(0, len(flying) - self.depth + 1)]:
+            with label("post_backward_rs_wait", u.name):
+                u.grads.wait_reduce(self.root.context)
+
+    @property
+    def depth(self) -> int:
+        """Reductions in flight: the root's ``reduce_scatter_depth``, or the most any unit
+        was set to (FSDP2 resolves its per-module settings to one per root the same way)."""
+        given = self.root.given.get("reduce_scatter_depth") or 1
+        return max([given, *(u.grads.max_in_flight for u in self.units)])
 
     def finish(self, synced: list) -> None:
         """The end of backward: every gradient not yet reduced, in the units' order, which

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero import comm
+from zero.comm.context import label
 from zero.core import adoption, registry, running_stats
 from zero.core.reductions import Reductions
 from zero.core.saved_tensors import Guard
@@ -41,7 +42,8 @@ from zero.core.state import TrainingState
 if TYPE_CHECKING:
     from zero.core.unit import Unit
 
-GIVEN = ("backend", "prefetch", "schedule")  # what a root's zero.shard decides for every unit
+# what a root's zero.shard decides for every unit
+GIVEN = ("backend", "prefetch", "schedule", "reduce_scatter_depth")
 
 
 def root_of(unit) -> "Root":
@@ -50,21 +52,28 @@ def root_of(unit) -> "Root":
 
 
 class Order:
-    """The units of a root in the order their forward ran (``zero/api.py``'s ``Order``)."""
+    """The units of a root in the order their forward ran (``zero/api.py``'s ``Order``):
+    began (``this_iteration``, ``last_iteration``) and ended (``post_forward``, FSDP2's
+    ``post_forward_order``, which backward runs in reverse: the root, whose forward ends
+    last, first)."""
 
     def __init__(self, units: list):
         self.units = units
         self.this_iteration: list = []
         self.last_iteration: list = []
+        self.post_forward: list = []
 
     def begin(self) -> None:
         """The root's forward opens an iteration."""
         self.last_iteration, self.this_iteration = (self.this_iteration or
                                                     self.last_iteration), []
+        self.post_forward = []
 
     def end(self) -> None:
-        """Backward is over: this iteration's order is the one to prefetch by."""
+        """Backward is over: this iteration's order is the one to prefetch by (the next
+        forward's); backward's is spent (FSDP2 clears its post-forward order there too)."""
         self.last_iteration, self.this_iteration = self.this_iteration, []
+        self.post_forward = []
 
 
 class Root:
@@ -176,23 +185,52 @@ class Root:
     # ---- prefetching, as the schedule says ---------------------------------------------
 
     def forward_started(self, unit) -> None:
-        """``unit`` starts its forward: record it, and start gathering what the schedule says
-        to gather while it computes."""
+        """``unit`` starts its forward: record it, and start gathering the units the user's
+        list names (``set_modules_to_forward_prefetch``), or else those the schedule says,
+        while it computes."""
         if unit is self.unit:
             self.order.begin()
         self.order.this_iteration.append(unit)
-        for nxt in self.schedule.forward_prefetch(unit, self.order):
+        for nxt in self._prefetches(unit, "forward"):
             if nxt.config.stage.frees_parameters:
-                nxt.unshard(phase="forward", async_op=True)
+                with label(f"forward_prefetch for {nxt.name}"):
+                    nxt.unshard(phase="forward", async_op=True)
+
+    def forward_ended(self, unit) -> None:
+        """``unit``'s forward is over (a backward will follow)."""
+        self.order.post_forward.append(unit)
 
     def backward_started(self, unit) -> None:
-        """``unit`` starts its backward: end the reduction in flight (stages 2/3: one full
-        gradient at a time), and start gathering what the schedule says."""
-        if not unit.config.stage.keep_grads:
-            self.reductions.end_in_flight()
-        for prev in self.schedule.backward_prefetch(unit, self.order):
+        """``unit`` starts its backward: start gathering what the user's list or the schedule
+        says. The reduction in flight runs on under this backward: the next unit's
+        post-backward ends it (``zero/core/reductions.py``), as FSDP2's does."""
+        for prev in self._prefetches(unit, "backward"):
             if prev.config.stage.frees_parameters and prev.controls.unshard_in_backward:
-                prev.unshard(phase="backward", async_op=True)
+                with label(f"backward_prefetch for {prev.name}"):
+                    prev.unshard(phase="backward", async_op=True)
+
+    def _prefetches(self, unit, phase: str) -> list:
+        """The units to gather ahead while ``unit`` computes ``phase``: the user's explicit
+        list (FSDP2's prefetch setters) whatever schedule is plugged in, else the schedule's
+        answer, checked, deduplicated and put in an order every rank shares (a schedule that
+        answered in another order on each rank would pair gathers of different units)."""
+        explicit = getattr(unit.controls, f"{phase}_prefetch")
+        if explicit is not None:
+            return explicit
+        schedule = self.schedule
+        asked = getattr(schedule, f"{phase}_prefetch")(unit, self.order)
+        units = []
+        for u in asked or ():  # (None: nothing)
+            found = registry.unit_on(u) if isinstance(u, torch.nn.Module) else u
+            if getattr(found, "root", None) is not self:
+                raise TypeError(
+                    f"{schedule!r}.{phase}_prefetch returned {type(u).__name__} "
+                    f"{getattr(u, 'name', '')!r}: it must return units of this model "
+                    "(``order.units``' members; a module is taken for the unit sharded on it)")
+            if found not in units:
+                units.append(found)
+        rank_of = {u: i for i, u in enumerate(self.units)}  # module order: every rank's
+        return sorted(units, key=lambda u: rank_of[u], reverse=phase == "backward")
 
     # ---- deferred frees ------------------------------------------------------------------
 
@@ -288,6 +326,10 @@ class Root:
 
     def finish_backward(self) -> None:
         """Runs once when the whole backward is done: end the reductions, hand out grads, free."""
+        with label("root_post_backward_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         synced = [u for u in self.units if u.controls.requires_grad_sync]  # the rest accumulate
         if self.is_last_backward:  # (FSDP2's set_is_last_backward(False), 1F1B pipelining:
             self.order.end()  # the next backward, of another micro-batch, prefetches by it too)

@@ -6,9 +6,10 @@ and what a gather does is the unit's (``zero/core/unit.py``). The order reductio
 is not a policy but a rule every rank must follow alike (``zero/core/reductions.py``).
 
 - Forward prefetch: while a unit computes, the *next* unit's all-gather is already running
-  (the one that ran after it last iteration, or ``set_modules_to_forward_prefetch``'s list);
-  backward prefetch likewise gathers the unit that ran *before* it in this iteration's
-  forward (or ``set_modules_to_backward_prefetch``'s list). So at most two units are
+  (the one that ran after it last iteration); backward prefetch likewise gathers the unit
+  whose forward ended *before* its own in this iteration (FSDP2's post-forward order). The
+  user's explicit lists (``set_modules_to_forward_prefetch`` and ``..._backward_prefetch``)
+  come first, whatever schedule is plugged in: the root reads them. So at most two units are
   unsharded at once besides any that keep their parameters (the root, by default). With
   ``prefetch=d`` (``zero.shard(root, prefetch=d)``) the next d units are gathered, and at most
   d + 1 are unsharded at once: ``ahead`` and ``behind`` say which, and the bench's memory
@@ -43,16 +44,17 @@ class Schedule:
     def forward_prefetch(self, unit, order) -> list:
         """``unit`` starts its forward (the last of ``order.this_iteration``): the units that
         ran after it last iteration, if this iteration runs as the last one did."""
-        if unit.controls.forward_prefetch is not None:  # set_modules_to_forward_prefetch
-            return unit.controls.forward_prefetch
         pos = len(order.this_iteration) - 1
         last = order.last_iteration
         return self.ahead(last, pos) if pos < len(last) and last[pos] is unit else []
 
     def backward_prefetch(self, unit, order) -> list:
-        """``unit`` starts its backward: the units that ran before it in this forward."""
-        if unit.controls.backward_prefetch is not None:  # set_modules_to_backward_prefetch
-            return unit.controls.backward_prefetch
-        ran = order.this_iteration
-        pos = max((i for i, u in enumerate(ran) if u is unit), default=0)
-        return self.behind(ran, pos)
+        """``unit`` starts its backward: the units whose forward ended before its own did, in
+        this iteration (FSDP2's post-forward order: the root's forward ends last, so while
+        the loss and the head run backward the last block is gathered)."""
+        ended = order.post_forward
+        pos = max((i for i, u in enumerate(ended) if u is unit), default=None)
+        if pos is None:  # (its forward ran under no_grad, say): by the order forwards began
+            ended = order.this_iteration
+            pos = max((i for i, u in enumerate(ended) if u is unit), default=0)
+        return self.behind(ended, pos)

@@ -51,7 +51,9 @@ from zero.surface.shard import shard
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                 reshard_after_forward: bool | int | None = None, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None, dp_mesh_dims=None,
-                stage: int = 3, layout: str = "rows", device=None):
+                stage: int = 3, layout: str = "rows", device=None, backend=None,
+                prefetch: int | None = None, schedule=None,
+                reduce_scatter_depth: int | None = None):
     """Shard ``module`` as FSDP2's ``fully_shard`` does (see the module docstring).
 
     Args:
@@ -62,6 +64,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
             that it is not honoured).
         layout: "rows" (FSDP2's, the default), "flat" or "whole" (``zero.shard``).
         device: where the shards live when ``module`` is on the meta device.
+        backend, prefetch, schedule, reduce_scatter_depth: ``zero.shard``'s, the root's to
+            give (``set_reduce_scatter_max_input_buffers`` sets the depth too, as on FSDP2).
 
     Returns:
         ``module``, its class now ``FSDP<Class>`` (an ``FSDPModule``).
@@ -108,7 +112,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
           ignored_params=ignored_params, layout=layout, device=device,
           offload_policy=offload_policy, secondary_group=secondary_group,
-          shard_placement_fn=shard_placement_fn,
+          shard_placement_fn=shard_placement_fn, backend=backend, prefetch=prefetch,
+          schedule=schedule, reduce_scatter_depth=reduce_scatter_depth,
           comm_policy=CustomCollectives())  # (zero's own until set_custom_* fill it in)
     for unit in registry.units_on(modules[0]):
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values

@@ -35,6 +35,7 @@ class Options:
     schedule: Any = None
     backend: Any = None
     shard_placement_fn: Any = None
+    reduce_scatter_depth: int | None = None
 
     def but(self, **changes) -> "Options":
         """The same options with ``changes``."""
@@ -42,5 +43,6 @@ class Options:
 
     def given_to_root(self) -> dict:
         """What the root's call decides for every unit under it (``zero/core/root.py``)."""
-        return {"backend": self.backend, "prefetch": self.prefetch, "schedule": self.schedule}
+        return {"backend": self.backend, "prefetch": self.prefetch, "schedule": self.schedule,
+                "reduce_scatter_depth": self.reduce_scatter_depth}
 

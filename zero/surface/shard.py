@@ -65,6 +65,7 @@ def shard(
     schedule=None,
     backend=None,
     shard_placement_fn=None,
+    reduce_scatter_depth: int | None = None,
     _leave: frozenset = frozenset(),
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
@@ -131,6 +132,10 @@ def shard(
         backend: the ``Backend`` every collective goes through (``zero/api.py``; default
             ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
             ``zero.features.logging_backend.LoggingBackend(path)`` writes each one to a file.
+        reduce_scatter_depth: stages 2/3, how many reduce-scatters may be in flight (FSDP2's
+            ``set_reduce_scatter_max_input_buffers``): each runs under the backward of the
+            units after it, and keeps its full gradient alive until it ends; 1 by default,
+            FSDP2's (``zero/core/reductions.py``).
 
         shard_placement_fn: FSDP2's: called with each parameter, returns ``Shard(dim)`` to
             cut it along ``dim`` instead of 0 (None: dim 0); layout "rows" only, and the dim
@@ -141,7 +146,7 @@ def shard(
     same mesh as the tensor-parallel one), shown as a DTensor on both (layout "rows" only;
     ``zero/core/placement.py``).
 
-    ``prefetch``, ``schedule`` and ``backend`` are the root's to give (the last call, on the
+    ``prefetch``, ``schedule``, ``backend`` and ``reduce_scatter_depth`` are the root's to give (the last call, on the
     whole model): there they reach every unit under it, which share one context, as FSDP2's
     units share their root's. A unit below given one that differs from the root's is refused
     when the root is sharded.
@@ -158,10 +163,15 @@ def shard(
         ``module``, whose parameters are now this rank's pieces (same names). Build the
         optimizer after this call.
     """
-    options = Options(stage, group, mesh, mp_policy, reshard_after_forward, device,
-                      broadcast_buffers, ignored_params, secondary_group, comm_policy,
-                      sync_module_states, layout, auto_wrap_policy, sharding_strategy,
-                      offload_policy, prefetch, schedule, backend, shard_placement_fn)
+    options = Options(
+        stage=stage, group=group, mesh=mesh, mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward, device=device,
+        broadcast_buffers=broadcast_buffers, ignored_params=ignored_params,
+        secondary_group=secondary_group, comm_policy=comm_policy,
+        sync_module_states=sync_module_states, layout=layout, auto_wrap_policy=auto_wrap_policy,
+        sharding_strategy=sharding_strategy, offload_policy=offload_policy, prefetch=prefetch,
+        schedule=schedule, backend=backend, shard_placement_fn=shard_placement_fn,
+        reduce_scatter_depth=reduce_scatter_depth)
     if auto_wrap_policy is not None or sharding_strategy is not None:
         return _shard_by_policy(module, options)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -240,6 +250,10 @@ def _check_seams(o: Options, offload, layout) -> None:
                              "schedule= (one of yours, which decides the depth itself), not both")
     if o.prefetch is not None and (type(o.prefetch) is not int or o.prefetch < 0):
         raise ValueError(f"prefetch={o.prefetch!r}: how many units to gather ahead, 0 or more")
+    depth = o.reduce_scatter_depth
+    if depth is not None and (type(depth) is not int or depth < 1):
+        raise ValueError(f"reduce_scatter_depth={depth!r}: how many reduce-scatters may be in "
+                         "flight at once, 1 or more")
     offload.check(layout)
 
 
@@ -256,6 +270,7 @@ def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offloa
         ("layout", layout.name), ("comm_policy", same_model.describe(o.comm_policy)),
         ("offload_policy", same_model.describe(offload)), ("backend", same_model.describe(ctx.backend)),
         ("prefetch", o.prefetch), ("schedule", same_model.describe(o.schedule)),
+        ("reduce_scatter_depth", o.reduce_scatter_depth),
         ("mesh", None if o.mesh is None else tuple(o.mesh.shape)),
         ("secondary_group", None if o.secondary_group is None else
          ctx.world_size(o.secondary_group)),
