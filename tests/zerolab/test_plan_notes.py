@@ -30,9 +30,12 @@ def test_the_first_example_is_what_the_command_prints():
     with contextlib.redirect_stdout(out):
         main(["plan", "--model", os.path.join(ROOT, "benchmarks", "configs", "llama-3-8b.json"),
               "--world-size", "64", "--cluster", "dgx-h100", "--mixed-precision", "--batch", "1",
-              "--seq", "8192"])
+              "--seq", "8192", "--explain"])
     block = NOTES.split("## Reading the table")[1].split("```")[1]
     assert _rows(block) == _rows(out.getvalue())[:len(_rows(block))]
+    # the same command's --explain table, quoted where the notes size each effect
+    causes = NOTES.split("## Time on the GPU")[1].split("```")[1]
+    assert _rows(causes) == _rows(out.getvalue().split("The step by cause")[1])
     quoted = re.search(r"Compute a step .*?s\.", block).group(0)
     assert quoted in out.getvalue()
 
