@@ -223,10 +223,11 @@ class Root:
         for u in asked or ():  # (None: nothing)
             found = registry.unit_on(u) if isinstance(u, torch.nn.Module) else u
             if getattr(found, "root", None) is not self:
+                what = f"unit {u.name}" if hasattr(u, "root") else f"{type(u).__name__} {u!r:.60}"
                 raise TypeError(
-                    f"{schedule!r}.{phase}_prefetch returned {type(u).__name__} "
-                    f"{getattr(u, 'name', '')!r}: it must return units of this model "
-                    "(``order.units``' members; a module is taken for the unit sharded on it)")
+                    f"the schedule {type(schedule).__name__}.{phase}_prefetch returned {what}: "
+                    "it must return units of this model (members of order.units), a module "
+                    "that zero.shard made a unit of, or None for none")
             if found not in units:
                 units.append(found)
         rank_of = {u: i for i, u in enumerate(self.units)}  # module order: every rank's

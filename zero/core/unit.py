@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from zero import api
+from zero.comm.context import label
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import adoption, guards, registry
 from zero.core.config import MeshInfo, UnitConfig
@@ -282,7 +283,7 @@ class Unit:
             target = self._unsharded_data.new_empty(self.layout.padded_numel)  # (computing
             # stream's memory, as every buffer here: only it frees, after it has waited)
         streams.all_gather.wait_stream(streams.copy_in)
-        with streams.use(streams.all_gather):
+        with streams.use(streams.all_gather), label("all_gather", self.name):
             # (hpZ is stage 3, where the shard is never inside the full buffer)
             work = comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
                                    group=group, unit=self.name, phase=phase, ctx=ctx)
@@ -314,8 +315,9 @@ class Unit:
         if self.sharded_state is ShardedState.GATHERING:
             gathering, self._gathering = self._gathering, None
             assert gathering is not None  # (GATHERING: a gather is in flight)
-            self.root.context.streams(self.unsharded.device).wait(gathering.event)
-            gathering.work.wait()
+            with label("all_gather_copy_out", self.name):  # (FSDP2's name: wait, copy out)
+                self.root.context.streams(self.unsharded.device).wait(gathering.event)
+                gathering.work.wait()
             self.sharded_state = ShardedState.UNSHARDED
 
     def shard_written(self) -> bool:
