@@ -42,6 +42,13 @@ WORLD_SIZE, LAYERS, DIM, SEQ, BATCH, VOCAB, HEADS = 2, 4, 128, 64, 8, 512, 4
 # --frozen: fine-tuning, LoRA-style (frozen dim x dim base and a trainable rank-8 adapter per block)
 FROZEN_LAYERS, FROZEN_DIM, LORA_RANK = 8, 384, 8
 STEPS, WARMUP = 12, 2
+# --targets (issue 46's, emulated): the default GPT and one of 35.7M parameters (20 blocks of
+# 384: zerolab.systems.gpt_35m), at 2 and 4 ranks, on one H100 node and on two
+BIG = (20, 384)
+BIG_STEPS = 3  # its steps take about 1.3 s of one core each
+TARGET_NETWORKS = ["dgx-h100", "dgx-h100:2-nodes"]
+TARGET_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2"]
+TARGET_WORLD_SIZES = [2, 4]
 MAX_LOCAL_RANKS = 64  # local ranks are processes sharing this machine's cores and memory
 MAX_STEPS = 1000  # a system's ranks have 600 s (run_ranks' timeout); the median settles long before
 SWEEP_SIZES = [(2, 64), (4, 128), (4, 256)]  # (layers, dim): 0.12M to 3.3M parameters
@@ -52,8 +59,19 @@ PAPER_STAGE = {"ddp": 0, "ddp+zro": 1, "zero1": 1, "zero2": 2, "zero3": 3,
                "zero3-qwz": 3, "zero3-qgz": 3}
 
 
-def measure(rank: int, n: int, kind: str, args) -> dict:
-    """Train one system on this rank; return its losses, bytes, memory and step times."""
+def measure(rank: int, n: int, kind: str, args, time_only: bool = False) -> dict:
+    """Train one system on this rank; return its losses, bytes, memory and step times (only
+    the losses and step times with ``time_only``: a later round). With ``--network`` the run
+    is recorded for the emulated cluster (zerolab/emulate.py): each timed step's log."""
+    if not getattr(args, "network", None):
+        return _measure(rank, n, kind, args, time_only, None)
+    from zerolab.emulate import Recorder
+
+    with Recorder() as recorder:  # (the system is built inside: its streams are emulated)
+        return _measure(rank, n, kind, args, time_only, recorder)
+
+
+def _measure(rank: int, n: int, kind: str, args, time_only: bool, recorder) -> dict:
     local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's: this rank's GPU on its node
     device = torch.device(args.device, local % max(1, torch.cuda.device_count())) \
         if args.device == "cuda" else torch.device(args.device)
@@ -75,20 +93,33 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
     for i in range(WARMUP):
         step(i)
     buckets.clear()  # DDP rebuilds its buckets in the second step: keep those it uses now
-    with CommBytes(n) as comm, zero.Ledger() as ledger:  # traffic: one step
-        step(WARMUP)
-    with _tracker(kind, system, buckets.values()) as mem:  # memory: one step (trackers slow a step down)
-        step(WARMUP + 1)
-    times = []
+    if time_only:  # (the same steps, so that every round trains on the same data)
+        for i in range(WARMUP, WARMUP + 2):
+            step(i)
+    else:
+        with CommBytes(n) as comm, zero.Ledger() as ledger:  # traffic: one step
+            step(WARMUP)
+        # memory: one step (trackers slow a step down)
+        with _tracker(kind, system, buckets.values()) as mem:
+            step(WARMUP + 1)
+    times, logs = [], []
     for i in range(WARMUP + 2, WARMUP + 2 + (args.steps if not args.no_time else 0)):
         dist.barrier()
         t0 = time.perf_counter()
-        step(i)
+        if recorder is not None:
+            with recorder.step() as log:
+                step(i)
+            logs.append(log)
+        else:
+            step(i)
         times.append(time.perf_counter() - t0)
     if times:  # a step lasts as long as its slowest rank
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
+    if time_only:
+        return {"kind": kind, "losses": losses, "step_times": times, "logs": logs,
+                "model_states_peak": 0, "psi": sum(p.numel() for p in base.parameters())}
     peak_snapshot = mem.get_tracker_snapshot("peak").get(device, {})
     return {
         "kind": kind,
@@ -109,6 +140,8 @@ def measure(rank: int, n: int, kind: str, args) -> dict:
         "with_comm_peak": mem.category_peaks.get(device, {}).get(MODEL_STATES_AND_COMM, 0),
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_time": statistics.median(times) if times else None,
+        "step_times": times,
+        "logs": logs,
         "disk": _disk_store(system.opt),
         **_schedule(kind, system, n, args),
     }
@@ -175,30 +208,34 @@ def _tracker(kind, system, buckets=()):
     return mt
 
 
-def run_system(kind: str, args) -> dict:
+def run_system(kind: str, args, time_only: bool = False) -> dict:
     """Measure one system: in fresh local processes, or in this process under torchrun."""
     if dist.is_initialized():  # torchrun: every rank runs every system in turn
-        out = measure(dist.get_rank(), dist.get_world_size(), kind, args)
+        out = measure(dist.get_rank(), dist.get_world_size(), kind, args, time_only)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, out["losses"])
         out["losses_all_ranks"] = everyone
+        out["logs_all_ranks"] = [out.pop("logs")]  # (this rank's: each plays its own)
         return out
     from zerolab.launch import run_ranks
 
     backend = "nccl" if args.device == "cuda" else "gloo"
-    results = run_ranks(_quiet_measure, args.world_size, kind, args, timeout=600, backend=backend)
+    results = run_ranks(_quiet_measure, args.world_size, kind, args, time_only, timeout=600,
+                        backend=backend)
     # Memory per rank is the largest rank's: ranks need not hold the same (torch's
     # ZeroRedundancyOptimizer gives whole parameters to ranks, unevenly).
     out = max(results, key=lambda r: r["model_states_peak"])
     out["losses_all_ranks"] = [r["losses"] for r in results]
+    out["logs_all_ranks"] = [r.pop("logs") for r in results]
     for key in ("rss", "with_comm_peak"):
-        out[key] = max(r[key] for r in results)
+        if key in out:
+            out[key] = max(r[key] for r in results)
     return out
 
 
-def _quiet_measure(rank, n, kind, args):
+def _quiet_measure(rank, n, kind, args, time_only=False):
     warnings.filterwarnings("ignore")  # trackers' hook warnings, DDP's find_unused note
-    return measure(rank, n, kind, args)
+    return measure(rank, n, kind, args, time_only)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -248,7 +285,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layout", default="flat", choices=["flat", "rows", "whole"],
                    help="our stages' shard layout (notes/16-layouts.md; benchmarks/layouts.py "
                         "compares the three)")
+    p.add_argument("--network", type=_networks, default=None, metavar="PRESET[,PRESET...]",
+                   help="time every system on an emulated GPU cluster (zerolab/emulate.py): "
+                        "collectives priced on a zerolab.clusters preset's links, dilated to this "
+                        "CPU's compute, with a GPU's stream semantics; NAME fills a node, "
+                        "NAME:2-nodes spreads the ranks over two (e.g. dgx-h100,dgx-h100:2-nodes)")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="timing rounds, systems interleaved round by round (default 1; 3 with "
+                        "--network); the first also measures memory and bytes")
+    p.add_argument("--trace", default=None, metavar="FILE", type=output_file,
+                   help="with --network: the emulated timelines, Chrome trace format (Perfetto); "
+                        "default: beside the results file, .trace.json")
+    p.add_argument("--targets", action="store_true",
+                   help="issue 46's targets, emulated, in one results file: the default GPT and "
+                        f"a 35.7M one ({BIG[0]} blocks of {BIG[1]}), at 2 and 4 ranks, on "
+                        f"{' and '.join(TARGET_NETWORKS)} (or --network), 3 rounds (or --rounds)")
     args = p.parse_args(argv)
+    if args.targets:
+        args.network = args.network or list(TARGET_NETWORKS)
+        args.targets_systems = args.systems
+    if args.rounds is None:
+        args.rounds = 3 if args.network else 1
+    if args.network and (args.sweep or args.no_time or args.device != "cpu"):
+        p.error("--network emulates a GPU cluster on the CPU's timed steps: leave out --sweep "
+                "and --no-time, and run on --device cpu")
     if args.model and (args.sweep or args.frozen):
         p.error("--model measures that model alone: leave out --sweep and --frozen")
     if args.systems is None:
@@ -256,6 +316,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
         args.systems = list(SYSTEMS if args.model else KINDS)
     args.kinds = args.systems
+    args.sized = args.layers is not None or args.dim is not None  # (--targets: this size only)
     args.layers = args.layers or (FROZEN_LAYERS if args.frozen else LAYERS)
     args.dim = args.dim or (FROZEN_DIM if args.frozen else DIM)
     if args.frozen and (args.sweep or args.mixed_precision):
@@ -296,6 +357,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _networks(text: str) -> list[str]:
+    """A comma list of emulated networks, each checked (zerolab.emulate.network's forms)."""
+    from zerolab.clusters import PRESETS
+
+    specs = [t for t in text.split(",") if t]
+    for spec in specs:
+        name, _, nodes = spec.partition(":")
+        if name not in PRESETS or (nodes and not (nodes.endswith("-nodes")
+                                                  and nodes.removesuffix("-nodes").isdigit())):
+            raise argparse.ArgumentTypeError(
+                f"{spec!r}: a preset of zerolab/clusters.py ({', '.join(PRESETS)}), optionally "
+                f"with :K-nodes (the ranks spread over K nodes)")
+    return specs
+
+
 def gpt_params(vocab: int, seq: int, dim: int, layers: int) -> int:
     """Ψ of zerolab.models.GPT without building it: embeddings (the head is tied), final
     norm, and per block qkv, proj, fc, out with biases and two norms."""
@@ -329,6 +405,8 @@ def main(argv=None) -> None:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         args.world_size = dist.get_world_size()
     lead = not dist.is_initialized() or dist.get_rank() == 0
+    if args.targets:
+        return targets(args, argv)
     rows = sweep(args, lead) if args.sweep else compare(args, lead)
     if lead and args.model and not dist.is_initialized():
         args.extra = beside_the_plan(rows, args)
@@ -405,14 +483,125 @@ def beside_the_plan(rows: list[dict], args) -> list[str]:
 
 
 def compare(args, lead: bool) -> list[dict]:
-    rows = []
-    for i, kind in enumerate(args.kinds):
-        start = time.monotonic()
-        rows.append(run_system(kind, args))
-        if lead:
-            print(f"[{i + 1}/{len(args.kinds)}] {kind}: done in {time.monotonic() - start:.1f}s",
+    """Every system, round after round (``--rounds``): the first measures everything, the
+    others time the steps again, interleaved, so that a drift of the machine's load reaches
+    every system alike. With ``--network``, every round's logs played on each network."""
+    rows: dict[str, dict] = {}
+    rounds = getattr(args, "rounds", 1)
+    for r in range(rounds):
+        for i, kind in enumerate(args.kinds):
+            start = time.monotonic()
+            out = run_system(kind, args, time_only=r > 0 or getattr(args, "time_only", False))
+            row = rows.setdefault(kind, out)
+            row.setdefault("rounds", []).append({"times": out["step_times"],
+                                                 "logs": out.pop("logs_all_ranks")})
+            if lead:
+                of = f" round {r + 1}/{rounds}" if rounds > 1 else ""
+                print(f"[{i + 1}/{len(args.kinds)}]{of} {kind}: done in "
+                      f"{time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+    for row in rows.values():  # the median over every round's steps
+        times = [t for rnd in row["rounds"] for t in rnd["times"]]
+        row["step_time"] = statistics.median(times) if times else None
+    out = list(rows.values())
+    if getattr(args, "network", None) and lead:
+        emulated(out, args)
+    return out
+
+
+def emulated(rows: list[dict], args) -> None:
+    """Play every round's logs on each ``--network``: row["emulated"][spec] per round, and
+    args.emulation (the dilation, its two terms, the networks) for the report."""
+    from zerolab import emulate
+    from zerolab.clusters import PRESETS
+
+    model = make_model(args)
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)  # as zerolab/launch.py's ranks
+    cpu = emulate.cpu_step_seconds(model, args.batch, threads)
+    args.emulation = {"cpu_step_s": cpu, "networks": {}}
+    for spec in args.network:
+        preset = PRESETS[spec.partition(":")[0]]
+        gpu = emulate.gpu_step_seconds(model, args.batch, preset.device, args.mixed_precision)
+        net = emulate.network(spec, args.world_size, dilation=cpu / gpu)
+        args.emulation["networks"][spec] = {"gpu_step_s": gpu, "dilation": cpu / gpu,
+                                            "cluster": net.cluster.name, "network": net}
+        for row in rows:
+            row.setdefault("emulated", {})[spec] = [
+                emulate.summarize(rnd["logs"], net) for rnd in row["rounds"]]
+    runs: dict = {}  # the plan's simulations, one a system, played on each network
+    for spec, info in args.emulation["networks"].items():
+        info["plan"] = plan_exposed(args, spec, info["network"], runs)
+
+
+def plan_spec(args) -> str | None:
+    """The plan's name for the model measured (python -m zerolab plan --model), if it has one."""
+    if args.model:
+        return args.model
+    if args.frozen or (args.seq, args.dim) != (SEQ, DIM) and (args.layers, args.dim) != BIG:
+        return None
+    if (args.layers, args.dim, args.seq) == (LAYERS, DIM, SEQ):
+        return "zerolab.planmodel:gpt_small"  # (the same GPT: vocabulary 512, 4 heads)
+    if (args.layers, args.dim, args.seq) == (*BIG, SEQ):
+        return "zerolab.systems:gpt_35m"
+    return None
+
+
+def plan_exposed(args, spec: str, net, runs: dict) -> dict:
+    """The plan's step for each system on the same model, ranks, batch and links: simulated on
+    fake ranks (zerolab/plan.py) and played by zerolab/steptime.py, without the roofline's
+    "contention" effect (compute slowed beside a collective), which the emulation does not
+    have; "exposed_all_effects_s" with it."""
+    from dataclasses import replace
+
+    from zerolab import plan, steptime
+    from zerolab.clusters import PRESETS
+
+    model = plan_spec(args)
+    if model is None:
+        return {}
+    preset = replace(PRESETS[spec.partition(":")[0]], cluster=net.cluster)
+    effects = tuple(e for e in getattr(steptime, "EFFECTS", ()) if e != "contention")
+    out = {}
+    for kind in args.kinds:
+        if kind not in plan.SYSTEMS:
+            continue
+        try:
+            if kind not in runs:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    runs[kind] = plan.simulate(model, kind, args.world_size, args.batch, args.seq,
+                                               args.mixed_precision)
+            mine = steptime.step_time(runs[kind], kind, preset, args.mixed_precision,
+                                      effects=effects)
+            every = steptime.step_time(runs[kind], kind, preset, args.mixed_precision)
+            out[kind] = {"exposed_comm_s": mine["exposed_comm_s"], "step_s": mine["step_s"],
+                         "exposed_all_effects_s": every["exposed_comm_s"]}
+        except Exception as e:  # the plan is another file's: say what it said, go on
+            out[kind] = {"error": f"{type(e).__name__}: {e}"[:160]}
+    return out
+
+
+def targets(args, argv=None) -> None:
+    """Issue 46's targets, emulated, in one run and one results file: every configuration
+    (the default GPT and the 35.7M one, at 2 and 4 ranks) timed round by round and played on
+    each network (default: one H100 node, and two)."""
+    import copy
+
+    command = ["benchmarks/compare_stages.py", *(sys.argv[1:] if argv is None else argv)]
+    sections = []
+    models = [((args.layers, args.dim), args.steps)] if args.sized else \
+        [((LAYERS, DIM), args.steps), (BIG, min(args.steps, BIG_STEPS))]
+    for (layers, dim), steps in models:
+        for n in TARGET_WORLD_SIZES:
+            a = copy.copy(args)
+            a.layers, a.dim, a.world_size, a.steps, a.time_only = layers, dim, n, steps, True
+            if args.targets_systems is None:
+                a.kinds = a.systems = TARGET_SYSTEMS
+            start = time.monotonic()
+            rows = compare(a, lead=True)
+            print(f"targets: {layers} x {dim} on {n} ranks in {time.monotonic() - start:.0f}s",
                   file=sys.stderr, flush=True)
-    return rows
+            sections.append((a, rows))
+    report.write_targets(sections, args, command)
 
 
 def sweep(args, lead: bool) -> list[dict]:

@@ -76,12 +76,30 @@ def traffic_table(rows, n, stage_of) -> list[str]:
 
 
 def time_table(rows) -> list[str]:
-    ddp = next((r["step_time"] for r in rows if r["kind"] == "ddp"), None)
-    out = ["| system | median step (ms) | vs DDP |", "|---|---|---|"]
+    """The median step, its spread over the steps (min, max), and the ratio to DDP's; with
+    several rounds, the ratio's spread over them (each round's median over DDP's)."""
+    ddp = next((r for r in rows if r["kind"] == "ddp"), None)
+    rounds = len(rows[0].get("rounds", [])) if rows else 0
+    spread = rounds > 1 and ddp is not None
+    out = ["| system | median step (ms) | min (ms) | max (ms) | vs DDP |"
+           + (" vs DDP, rounds [min-max] |" if spread else ""),
+           "|---|---|---|---|---|" + ("---|" if spread else "")]
     for r in rows:
-        ratio = f"{r['step_time'] / ddp:.2f}x" if ddp else "-"
-        out.append(f"| {r['kind']} | {1000 * r['step_time']:.1f} | {ratio} |")
+        ratio = f"{r['step_time'] / ddp['step_time']:.2f}x" if ddp else "-"
+        times = [t for rnd in r.get("rounds", []) for t in rnd["times"]] or [r["step_time"]]
+        line = (f"| {r['kind']} | {1000 * r['step_time']:.1f} | {1000 * min(times):.1f} "
+                f"| {1000 * max(times):.1f} | {ratio} |")
+        if spread:
+            ratios = [_median(a["times"]) / _median(b["times"])
+                      for a, b in zip(r["rounds"], ddp["rounds"])]
+            line += f" {min(ratios):.2f}-{max(ratios):.2f}x |"
+        out.append(line)
     return out
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 TARGETS = [  # (what, numerator, denominator, measure, at most): notes/06 and notes/10
@@ -196,8 +214,13 @@ def write(rows, args, argv, stage_of) -> None:
                 "parameter (notes/00-start-here.md); measured / R counts elements.", "",
                 *traffic_table(rows, n, stage_of)]
         if all(r["step_time"] for r in rows):
-            body += ["", f"## Step time (median of {args.steps} steps, slowest rank)", "",
+            rounds = getattr(args, "rounds", 1)
+            of = f"{args.steps} steps" + (f" x {rounds} rounds, systems interleaved"
+                                          if rounds > 1 else "")
+            body += ["", f"## Step time (median of {of}, slowest rank)", "",
                      *time_table(rows)]
+        if getattr(args, "emulation", None):
+            body += emulated_tables(rows, args)
         if formula := formula_table(rows, n):
             body += ["", "## Model states against the formula (MiB; zerolab/memory.py: schedule)", "",
                      "The paper's formula on our padded sizes, AdamW's 4-byte step counter per "
@@ -222,6 +245,12 @@ def write(rows, args, argv, stage_of) -> None:
                          "a step."]
         if bad := {r["kind"]: r["unaccounted"] for r in rows if r["unaccounted"]}:
             body += ["", f"Collectives not accounted in bytes: {bad}"]
+    if getattr(args, "emulation", None):
+        trace = getattr(args, "trace", None) or out.removesuffix(".md") + ".trace.json"
+        where = os.path.relpath(write_trace(rows, args, trace),
+                                os.path.dirname(os.path.abspath(out)))
+        body += ["", f"Emulated timelines (rank 0's median step of each system's last round, "
+                     f"GPU microseconds; open in https://ui.perfetto.dev): `{where}`"]
     text = "\n".join(head + body) + "\n"
     print(text)
     with open(out, "w") as f:
@@ -317,3 +346,229 @@ def _plot_sweep(plt, rows, stage_of) -> None:
         ax.minorticks_off()
         ax.legend(fontsize=8)
     fig.tight_layout()
+
+
+# ---- the emulated GPU cluster (--network; zerolab/emulate.py) -----------------------------
+
+EMULATED_TARGETS = [  # (what, numerator, denominator, measure, at most): issue 46, notes/10
+    ("ZeRO-3 exposed communication / FSDP2's", "zero3", "fsdp2", "exposed_s", 1.0),
+    ("ZeRO-2 exposed communication / FSDP2 no-reshard's", "zero2", "fsdp2-noreshard",
+     "exposed_s", 1.0),
+    ("ZeRO-1 exposed communication / DDP's", "zero1", "ddp", "exposed_s", 1.05),
+    ("ZeRO-3 step time / FSDP2's", "zero3", "fsdp2", "step_s", 0.95),
+]
+EXPOSED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def _spread(values, fmt) -> str:
+    """median [min-max] of a figure over the rounds."""
+    values = sorted(values)
+    mid = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+    if len(values) == 1:
+        return fmt(mid)
+    return f"{fmt(mid)} [{fmt(values[0])}-{fmt(values[-1])}]"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else (1.0 if a == b else float("inf"))
+
+
+def emulated_tables(rows, args) -> list[str]:
+    """Per network: each system's emulated step, compute, exposed communication by kind and
+    overlap (median [min-max] over rounds), the targets' ratios round by round, the ranking,
+    and the plan's exposed communication beside the emulated one."""
+    emu = args.emulation
+    out = []
+    ms = lambda x: f"{1e3 * x:.2f}"  # noqa: E731
+    steps = f"{args.steps} steps x {args.rounds} round{'s' if args.rounds > 1 else ''}"
+    for spec, info in emu["networks"].items():
+        d = info["dilation"]
+        out += ["", f"## Emulated GPU cluster: {spec}", "",
+                f"{info['cluster']}. Dilation {d:.1f}: this CPU's compute for one step, "
+                f"{ms(emu['cpu_step_s'])} ms (forward, backward and AdamW on one rank's batch, "
+                f"process CPU time, measured), over the GPU's, {ms(info['gpu_step_s'])} ms "
+                f"(zerolab/roofline.py, the plan's, on its GPU). Every collective lasts what "
+                f"zerolab/cost.py prices it at on these links, times the dilation; compute is this "
+                f"CPU's, measured (zerolab/emulate.py). Emulated ms are the CPU's scale (a GPU's: "
+                f"divide by {d:.1f}). Each figure the median of {steps}, and [min-max] over the "
+                f"rounds. Exposed: time the computing stream waited for a collective of that "
+                f"kind; overlap: 1 - exposed / the collectives' summed durations. Not emulated: "
+                f"compute slowed by NCCL sharing the SMs and memory bandwidth, launch overhead, "
+                f"the host's own time: it is taken to run ahead of the GPU, every stream's work "
+                f"starting once the waits it was told allow (notes/10-overlap.md).", "",
+                "| system | step ms | GPU step ms | compute ms | side streams ms | "
+                + " | ".join(f"exposed {k}" for k in EXPOSED_KINDS)
+                + " | exposed total ms | comm ms | overlap |", "|---" * 12 + "|"]
+        for r in rows:
+            rounds = r["emulated"][spec]
+            med = lambda key: _spread([x[key] for x in rounds], ms)  # noqa: E731
+            out.append(
+                f"| {r['kind']} | {med('step_s')} | "
+                f"{_spread([x['step_s'] / d for x in rounds], lambda v: f'{1e3 * v:.3f}')} | "
+                f"{med('compute_s')} | {med('side_compute_s')} | "
+                + " | ".join(_spread([x["exposed"].get(k, 0.0) for x in rounds], ms)
+                             for k in EXPOSED_KINDS)
+                + f" | {med('exposed_s')} | {med('comm_s')} | "
+                f"{_spread([x['overlap'] for x in rounds], lambda v: f'{100 * v:.0f}%')} |")
+        out += ["", *emulated_targets(rows, spec), "", ranking(rows, spec)]
+        if info.get("plan"):
+            out += ["", *plan_beside(rows, spec, info)]
+    return out
+
+
+def emulated_targets(rows, spec) -> list[str]:
+    by = {r["kind"]: r["emulated"][spec] for r in rows}
+    out = ["| ratio (emulated) | median [min-max] over rounds | target | every round |",
+           "|---|---|---|---|"]
+    for what, a, b, key, most in EMULATED_TARGETS:
+        if a in by and b in by:
+            ratios = [_ratio(x[key], y[key]) for x, y in zip(by[a], by[b])]
+            verdict = "met" if sorted(ratios)[(len(ratios) - 1) // 2] <= most else "missed"
+            every = "yes" if all(v <= most for v in ratios) else "no"
+            out.append(f"| {what} | {_spread(ratios, lambda v: f'{v:.3f}')} | <= {most:.2f}: "
+                       f"{verdict} | {every} |")
+    if "ddp" in by:
+        for r in rows:
+            if r["kind"] != "ddp":
+                ratios = [_ratio(x["step_s"], y["step_s"]) for x, y in zip(by[r["kind"]],
+                                                                          by["ddp"])]
+                out.append(f"| {r['kind']} step time / DDP's | "
+                           f"{_spread(ratios, lambda v: f'{v:.3f}')} | - | - |")
+    return out
+
+
+def ranking(rows, spec) -> str:
+    """The systems fastest first, by emulated step time, in each round; whether it held."""
+    rounds = len(rows[0]["emulated"][spec])
+    orders = [tuple(sorted((r["kind"] for r in rows),
+                           key=lambda k: next(x for x in rows if x["kind"] == k)
+                           ["emulated"][spec][i]["step_s"])) for i in range(rounds)]
+    same = all(o == orders[0] for o in orders)
+    text = " < ".join(orders[0])
+    if same:
+        return f"Ranking by emulated step time, the same in all {rounds} round(s): {text}."
+    return ("Ranking by emulated step time differs between rounds: "
+            + "; ".join(" < ".join(o) for o in orders) + ".")
+
+
+def plan_beside(rows, spec, info) -> list[str]:
+    """The plan's exposed communication (zerolab/steptime.py on the same model, ranks and
+    links) beside the emulated one, both in GPU seconds."""
+    d = info["dilation"]
+    out = ["The plan's exposed communication for the same model, ranks, batch and links "
+           "(python -m zerolab plan: zerolab/steptime.py, its compute by the roofline), beside "
+           "the emulated one in GPU microseconds (emulated / dilation):", "",
+           "| system | plan exposed us | emulated exposed us | plan / emulated | within 20% | "
+           "plan step us | emulated step us |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = info["plan"].get(r["kind"])
+        if p is None:
+            continue
+        if "error" in p:
+            out.append(f"| {r['kind']} | plan failed: {p['error']} | | | | | |")
+            continue
+        rounds = r["emulated"][spec]
+        mid = lambda key: sorted(x[key] for x in rounds)[(len(rounds) - 1) // 2] / d  # noqa: E731
+        e, s = mid("exposed_s"), mid("step_s")
+        ratio = _ratio(p["exposed_comm_s"], e)
+        out.append(f"| {r['kind']} | {1e6 * p['exposed_comm_s']:.1f} | {1e6 * e:.1f} | "
+                   f"{ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.2 else 'no'} | "
+                   f"{1e6 * p['step_s']:.1f} | {1e6 * s:.1f} |")
+    return out
+
+
+def write_trace(rows, args, path: str) -> str:
+    """Rank 0's median step of every system's last round, on each network, as a Chrome trace."""
+    import json
+
+    from zerolab.emulate import chrome_trace
+
+    steps = []
+    for spec, info in args.emulation["networks"].items():
+        for r in rows:
+            log, played = r["emulated"][spec][-1]["trace"]
+            steps.append((f"{r['kind']} on {spec}", log, played, info["dilation"]))
+    with open(path, "w") as f:
+        json.dump(chrome_trace(steps), f)
+    return path
+
+
+def write_targets(sections, args, argv) -> str:
+    """One results file for ``--targets``: each configuration's emulated tables, then every
+    target's verdict in one table."""
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"{date}-{machine()}-emulated.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    a0 = sections[0][0]
+    nets = a0.emulation["networks"]
+    head = [f"# Emulated GPU cluster: issue 46's targets, {date}", "",
+            f"- machine: {machine()} ({cpu_name()}), device cpu (gloo), each rank on one thread",
+            f"- torch {torch.__version__}",
+            f"- command: `python {' '.join(argv)}`",
+            "- networks: " + "; ".join(f"{spec}: {info['cluster']}"
+                                       for spec, info in nets.items()),
+            f"- systems interleaved round by round, {args.rounds} rounds; AdamW, fp32; batch "
+            f"{args.batch} x seq {args.seq} per rank",
+            "- every figure is emulated (zerolab/emulate.py): compute is this CPU's, measured "
+            "as process CPU time; each collective lasts what zerolab/cost.py prices it at on the "
+            "preset's links, times the dilation factor (this CPU's compute for a step / the "
+            "GPU's by the plan's roofline), and the streams behave as a GPU's. Not emulated: "
+            "compute slowed by NCCL sharing the SMs and memory bandwidth, kernel launch "
+            "overhead, and the host's own time (notes/10-overlap.md)."]
+    summary = ["", "## Every target", "",
+               "| model | ranks | network | dilation | target | median [min-max] over rounds "
+               "| holds (median) | holds every round |", "|---|---|---|---|---|---|---|---|"]
+    plan_rows = ["", "## The plan beside the emulation (exposed communication, GPU us)", "",
+                 "| model | ranks | network | system | plan | emulated | plan / emulated "
+                 "| within 20% |", "|---|---|---|---|---|---|---|---|"]
+    body = []
+    for a, rows in sections:
+        label = f"GPT {a.layers} x {a.dim}, Ψ = {rows[0]['psi']:,}"
+        body += ["", f"# {label}, {a.world_size} ranks", ""]
+        body += [f"Losses: {loss_check(rows)}"]
+        body += emulated_tables(rows, a)
+        for spec, info in a.emulation["networks"].items():
+            by = {r["kind"]: r["emulated"][spec] for r in rows}
+            for what, x, y, key, most in EMULATED_TARGETS:
+                if x in by and y in by:
+                    ratios = [_ratio(p[key], q[key]) for p, q in zip(by[x], by[y])]
+                    med = sorted(ratios)[(len(ratios) - 1) // 2]
+                    summary.append(
+                        f"| {label} | {a.world_size} | {spec} | {info['dilation']:.1f} | {what} "
+                        f"<= {most:.2f} | {_spread(ratios, lambda v: f'{v:.3f}')} | "
+                        f"{'yes' if med <= most else 'no'} | "
+                        f"{'yes' if all(v <= most for v in ratios) else 'no'} |")
+            for r in rows:
+                p = info.get("plan", {}).get(r["kind"])
+                if not p or "error" in p:
+                    continue
+                rounds = r["emulated"][spec]
+                e = sorted(x["exposed_s"] for x in rounds)[(len(rounds) - 1) // 2] \
+                    / info["dilation"]
+                ratio = _ratio(p["exposed_comm_s"], e)
+                plan_rows.append(f"| {label} | {a.world_size} | {spec} | {r['kind']} | "
+                                 f"{1e6 * p['exposed_comm_s']:.1f} | {1e6 * e:.1f} | {ratio:.2f} "
+                                 f"| {'yes' if abs(ratio - 1) <= 0.2 else 'no'} |")
+    trace = out.removesuffix(".md") + ".trace.json"
+    steps = []
+    from zerolab.emulate import chrome_trace
+
+    for a, rows in sections:
+        for spec, info in a.emulation["networks"].items():
+            for r in rows:
+                log, played = r["emulated"][spec][-1]["trace"]
+                steps.append((f"{r['kind']}, {a.layers}x{a.dim}, {a.world_size} ranks, {spec}",
+                              log, played, info["dilation"]))
+    import json
+
+    with open(trace, "w") as f:
+        json.dump(chrome_trace(steps), f)
+    tail = ["", f"Emulated timelines (rank 0's median step of each system's last round, GPU "
+                f"microseconds; open in https://ui.perfetto.dev): `{os.path.basename(trace)}`"]
+    text = "\n".join(head + summary + plan_rows + body + tail) + "\n"
+    print(text)
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"wrote {out} and {trace}")
+    return out

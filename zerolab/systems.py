@@ -33,6 +33,14 @@ KINDS = ("ddp", "ddp+zro", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2"
 FAMILY = ("zero3-offload", "zero3-disk", "zero3-qwz", "zero3-qgz")
 
 
+def gpt_35m() -> nn.Module:
+    """The larger model of the emulated targets (benchmarks/compare_stages.py --targets): the
+    comparison's GPT at 20 blocks of 384, 35.7M parameters (vocabulary 512, 4 heads)."""
+    from zerolab.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=512, seq=64, dim=384, layers=20, heads=4))
+
+
 def stage_of(kind: str) -> int:
     """Our stage in a system's name: "zero2" -> 2, "zero3-offload" -> 3."""
     return int(kind[4])

@@ -16,9 +16,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the flat collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_flat(*args, **kwargs):
+    # torch 2.13 renamed the flat collectives; older releases only have the old names. Looked
+    # up at each call, so that whatever wraps torch.distributed meanwhile (an emulation) sees it.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(*args, **kwargs)
+
 
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
