@@ -236,6 +236,94 @@ def test_what_a_unit_below_is_given_is_the_roots_or_refused(what):
         assert f"{what} is the root's to give" in message and "root's zero.shard" in message
 
 
+class _Plain:
+    """A schedule with Python's default repr (its address)."""
+
+    def forward_prefetch(self, unit, order):
+        return []
+
+    def backward_prefetch(self, unit, order):
+        return []
+
+
+def _alike_below(rank, n):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2, dim=16, vocab=32, seq=8))
+    try:
+        for block in model.blocks:
+            zero.shard(block, stage=3, schedule=_Plain())
+        zero.shard(model, stage=3, schedule=_Plain())
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_a_conflict_between_two_objects_alike_says_so_without_addresses():
+    for message in run_ranks(_alike_below, 2):
+        assert "schedule=test_seams._Plain()" in message and "0x" not in message, message
+        assert "another _Plain object, alike but not the same" in message
+
+
+class _Blocking:
+    """A backend whose collectives finish before they return, and return None (as FSDP2's
+    comm objects may): written from zero/api.py, torch.distributed underneath."""
+
+    def __init__(self):
+        from zero.comm.backend import TorchBackend
+        self.inner = TorchBackend()
+
+    def __repr__(self):
+        return "_Blocking()"
+
+    def rank(self, group=None):
+        return self.inner.rank(group)
+
+    def world_size(self, group=None):
+        return self.inner.world_size(group)
+
+    def name(self, group=None):
+        return self.inner.name(group)
+
+    def world(self):
+        return self.inner.world()
+
+    def global_rank(self, group, group_rank):
+        return self.inner.global_rank(group, group_rank)
+
+    def default_device(self, group=None):
+        return self.inner.default_device(group)
+
+    def bounded_wait(self, group, op):
+        return self.inner.bounded_wait(group, op)
+
+    def all_gather(self, output, input, group, async_op):
+        self.inner.all_gather(output, input, group, async_op=False)
+
+    def reduce_scatter(self, output, input, op, group, async_op):
+        self.inner.reduce_scatter(output, input, op, group, async_op=False)
+
+    def all_to_all(self, output, input, group, async_op):
+        self.inner.all_to_all(output, input, group, async_op=False)
+
+    def all_reduce(self, tensor, op, group, async_op):
+        self.inner.all_reduce(tensor, op, group, async_op=False)
+
+    def broadcast(self, tensor, src, group, async_op):
+        self.inner.broadcast(tensor, src, group, async_op=False)
+
+
+def _blocking(rank, n, backend):
+    model, opt = _gpt(3, layers=2, backend=_Blocking() if backend else None, root_only=True)
+    for s in range(2):
+        _step(model, opt, rank, s)
+    return zero.full_state_dict(model)
+
+
+def test_a_backend_whose_collectives_return_none_trains_like_the_default():
+    for ours, default in zip(run_ranks(_blocking, 2, True), run_ranks(_blocking, 2, False)):
+        assert all(torch.equal(ours[k], default[k]) for k in default)
+
+
 # ---- streams: the context's, in FSDP2's order --------------------------------------------------
 
 

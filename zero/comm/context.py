@@ -61,7 +61,8 @@ class Handle:
 
 
 class Done:
-    """The handle of a collective that had nothing to do: a group of one rank."""
+    """The handle of a collective that had nothing to do (a group of one rank), or that had
+    finished when its call returned (a backend or FSDP2 comm object that returned None)."""
 
     def wait(self, *args, **kwargs) -> bool:
         return True
@@ -78,7 +79,8 @@ def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_o
                   "calls, the same no_sync micro-batches, backward and opt.step() on all ranks")
     name = ctx.issued(what, group)
     rec = ledger.record(op, buffer, factor, group, unit, phase, ctx)
-    handle = Handle(launch(ctx.backend), op, name, group, rec, ctx)
+    work = launch(ctx.backend)
+    handle = Handle(Done() if work is None else work, op, name, group, rec, ctx)
     return handle if async_op else handle.wait()
 
 
@@ -217,7 +219,7 @@ class CommContext:
         ``start()`` returns a handle, or None for a call that has finished."""
         factor = 2.0 if op == "all_reduce" else 1.0
         return _issue(op, buffer, factor, group, unit, phase, async_op, self,
-                      lambda b: start() or Done())
+                      lambda b: start())
 
     def all_gather_object(self, obj, *, group=None) -> list:
         """Every rank's ``obj`` (pickled); for rare, small metadata such as error reports."""

@@ -55,7 +55,11 @@ def expired() -> list[str]:
 def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
     """``work.wait()``, bounded by ``ZERO_TIMEOUT`` where the backend allows it (or ``always``:
     a wait whose result the CPU reads at once). ``op`` names the collective; ``ctx`` is the
-    ``CommContext`` it was issued through (its backend, and what it issued before)."""
+    ``CommContext`` it was issued through (its backend, and what it issued before). None is
+    a collective that had finished when its call returned (a backend's or FSDP2 comm
+    object's blocking call)."""
+    if work is None:
+        return None
     seconds = timeout_seconds()
     how = ctx.backend.bounded_wait(group, op)
     if seconds <= 0 or (how == "none" and not always):

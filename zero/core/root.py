@@ -34,6 +34,7 @@ import torch
 from zero import comm
 from zero.comm.context import label
 from zero.core import adoption, registry, running_stats
+from zero.core.same_model import describe
 from zero.core.reductions import Reductions
 from zero.core.saved_tensors import Guard
 from zero.core.schedule import Schedule
@@ -111,9 +112,12 @@ class Root:
         for what in GIVEN:
             theirs, ours = below.given.get(what), given.get(what)
             if theirs is not None and theirs is not ours and theirs != ours:
+                said = [describe(theirs), describe(ours)]  # (no address: the ranks compare it)
+                if said[0] == said[1]:  # two objects alike: say so, not "X ... sharded with X"
+                    said[1] = f"another {type(ours).__name__} object, alike but not the same"
                 raise ValueError(
-                    f"zero.shard({where}, {what}={theirs!r}): {what} is the root's to give, "
-                    f"and this model's root is sharded with {what}={ours!r}. Give {what}= to "
+                    f"zero.shard({where}, {what}={said[0]}): {what} is the root's to give, "
+                    f"and this model's root is sharded with {what}={said[1]}. Give {what}= to "
                     "the root's zero.shard (the last call, on the whole model) only: it reaches "
                     "every unit under it, as FSDP2's units share their root's context")
 
