@@ -253,10 +253,13 @@ def test_a_term_is_defined_or_linked_where_a_learner_first_meets_it():
 # ---- the reading time of the path to the goal ---------------------------------------------
 # Rates: prose 200 words a minute, tables 100, code and program output 50; a road step's run
 # (a few seconds) and its printout (about 160 words) RUN minutes; the exercise's work EXERCISE
-# minutes; answering chapter 5's five questions on paper PREDICT minutes.
+# minutes; answering chapter 5's five questions on paper PREDICT minutes. The last two are a
+# newcomer's, timed on a fresh walk of the path (issue 50: exercise 5 took about 40 minutes in
+# all, its reading included, where 32 were stated; the questions 10 to 15, where 5 were; the
+# reading elsewhere, within 10% of the rates' count).
 
 RATES = {"prose": 200, "table": 100, "code": 50}
-RUN, EXERCISE, PREDICT = 3, 30, 5
+RUN, EXERCISE, PREDICT = 3, 38, 12
 
 
 def word_kinds(text: str, code: bool = False) -> dict[str, int]:
@@ -291,10 +294,12 @@ def changed(a: str, b: str) -> str:
                      if s[:1] in "+-" and not s.startswith(("+++", "---")))
 
 
-def road_split() -> tuple[str, str]:
+def road_split() -> tuple[str, str, str]:
+    """The road's page: to the stop sign (steps 1 to 3), on step 4, and the rest (step 5, and
+    the way on to the package), which the path leaves to the optional part."""
     text = read("notes/road/README.md")
-    at = text.index("**ZeRO-3** frees")
-    return text[:at], text[at:]
+    at, rest = text.index("**ZeRO-3** frees"), text.index("**Prefetching** starts")
+    return text[:at], text[at:rest], text[rest:]
 
 
 def readme_part() -> str:
@@ -323,7 +328,7 @@ def path_steps() -> list[tuple[str, dict[str, int], int]]:
     page = read("notes/00-start-here.md")
     start = page.split("## From the road's names")[0]  # and the path's own list, read too:
     start += page[page.index("## The path"):].split("**Optional")[0]
-    road_a, road_b = road_split()
+    road_a, road_b, _ = road_split()
     ex = read("notes/exercises/5_write_stage3.py")
     ex_doc = ex[: ex.index('"""', 3) + 3]
     ex_readme = re.search(r"\*\*5\. Write ZeRO-3.*?\n\n", read("notes/exercises/README.md"), re.S).group(0)
@@ -340,11 +345,11 @@ def path_steps() -> list[tuple[str, dict[str, int], int]]:
                                     word_kinds(changed(r + "2_zero1.py", r + "3_zero2.py"), True)),
          3 * RUN),
         ("exercise 5", add(word_kinds(ex_readme), word_kinds(ex_doc)), EXERCISE),
-        ("the road, steps 4-5", add(word_kinds(road_b),
-                                    word_kinds(changed(r + "3_zero2.py", r + "4_zero3.py"), True),
-                                    word_kinds(changed(r + "4_zero3.py", r + "5_prefetch.py"), True)),
-         2 * RUN),
-        ("zero/minimal.py", word_kinds(minimal_part(), True), 0),
+        # not run: the exercise's check ran yours; the paragraph for those who gathered in a
+        # module backward pre-hook, read by those only
+        ("the road, step 4", add(word_kinds(road_b.split("If your exercise 5 gathered")[0]),
+                                 word_kinds(changed(r + "3_zero2.py", r + "4_zero3.py"), True)),
+         0),
         ("chapter 5's core", add(word_kinds(core("notes/05-stage3.md")),
                                  word_kinds(read("notes/exercises/solutions/predict.md"))), PREDICT),
     ]
@@ -368,7 +373,7 @@ def test_the_start_page_states_the_paths_minutes_from_its_words():
         assert abs(s - m) <= max(2, 0.15 * m), (name, s, round(m, 1))
     total = int(re.search(r"about 2 hours\*\* \((\d+) minutes, the README's part included\)",
                           path).group(1))
-    assert abs(total - sum(m for _, m in counted)) <= 3 and total <= 135
+    assert total == sum(said) and abs(total - sum(m for _, m in counted)) <= 3 and total <= 120
     intro = int(re.search(r"About (\d+) minutes\.", page).group(1))
     assert intro == said[1]  # this page's own step
     readme = " ".join(readme_part().split())
@@ -378,7 +383,7 @@ def test_the_start_page_states_the_paths_minutes_from_its_words():
 def test_exercise_5_comes_between_road_steps_3_and_4():
     page = " ".join(read("notes/00-start-here.md").split())
     steps = page[page.index("## The path"):]
-    assert steps.index("steps 1 to 3") < steps.index("Exercise 5") < steps.index("steps 4 and 5")
+    assert steps.index("steps 1 to 3") < steps.index("Exercise 5") < steps.index("step 4, ZeRO-3")
     doc = read("notes/exercises/5_write_stage3.py")
     assert "after road step 3 and before step 4" in " ".join(doc.split())
 
@@ -454,10 +459,15 @@ def optional_minutes() -> dict[str, float]:
         w = word_kinds(text, code)
         return sum(w[k] / RATES[k] for k in RATES)
 
-    out = {"1": minutes(read("notes/01-flat-parameter.md")),
+    r = "notes/road/"
+    out = {"road 5": minutes(road_split()[2]) + RUN
+           + minutes(changed(r + "4_zero3.py", r + "5_prefetch.py"), True),
+           "minimal": minutes(minimal_part(), True),
+           "1": minutes(read("notes/01-flat-parameter.md")),
            "2": minutes(read("notes/02-collectives-and-the-ledger.md")),
            "3": minutes(core("notes/03-stage1.md")), "4": minutes(core("notes/04-stage2.md")),
            "6": minutes(read("notes/06-comparison.md")),
+           "10": minutes(core("notes/10-overlap.md")),  # the overlap chapter: off the path
            "traces": sum(minutes(read(f"notes/figures/trace_stage{k}.txt"), True) + RUN
                          for k in (1, 2))}
     out["second"] = sum(minutes(read(f"notes/0{k}")) - minutes(core(f"notes/0{k}"))
@@ -467,10 +477,10 @@ def optional_minutes() -> dict[str, float]:
 
 def test_the_start_page_states_the_optional_minutes_from_its_words():
     page = " ".join(read("notes/00-start-here.md").split())
-    part = page[page.index("**Optional: the package in detail**"):page.index("**The appendix**")]
+    part = page[page.index("**Optional: the rest of the road"):page.index("**The appendix**")]
     said = re.findall(r"\]\([\w./#-]+\)[^()\[\]]*? \((\d+)", part)
     counted = optional_minutes()
-    steps = [counted[k] for k in ("1", "2", "3", "4", "6", "traces")]
+    steps = [counted[k] for k in ("road 5", "minimal", "1", "2", "3", "4", "6", "10", "traces")]
     assert len(said) == len(steps)
     for s, m in zip(said, steps):
         assert abs(int(s) - m) <= max(2, 0.15 * m), (said, [round(x) for x in steps])
@@ -543,3 +553,60 @@ def test_each_prediction_follows_from_the_premises_before_it():
                 (k, bullet[:80])
             for number in re.findall(r"\d+\.\d+|\d{4,}", bullet):
                 assert float(number) in known | derived, (k, number)
+
+
+# ---- the learner's install line installs what the path needs, and only that --------------
+
+def requirement_closure(names) -> set[str]:
+    """The distributions pip installs for ``names``: each with what it requires, but extras."""
+    import importlib.metadata as md
+
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += [re.split(r"[ ;<>=!~\[(]", r)[0] for r in md.requires(name) or []
+                     if "extra ==" not in r]
+        except md.PackageNotFoundError:
+            pass
+    return seen
+
+
+def bare_site(dists: set[str], where) -> str:
+    """A folder holding only ``dists`` (links to their installed files): what a fresh virtual
+    environment would hold after installing them."""
+    import importlib.metadata as md
+
+    where.mkdir()
+    for name in dists:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
+            source = dist.locate_file(top)
+            if os.path.exists(source) and not os.path.exists(where / top):
+                os.symlink(source, where / top)
+    return str(where)
+
+
+def test_the_learners_install_line_installs_what_the_path_runs(tmp_path):
+    """The README sends a newcomer to ``pip install -e . pytest`` (issue 50: it sent them to
+    ``.[test]``, transformers and mypy included): the path's commands run with only what that
+    installs, the project's own requirements and the packages the line names."""
+    para = " ".join(read("README.md")[read("README.md").index("**New to ZeRO?**"):].split("\n\n")[0].split())
+    line = re.search(r"`pip install -e \. ([\w ]+)`", para).group(1).split()
+    cfg = read("setup.cfg")
+    required = re.findall(r"^    ([A-Za-z][\w-]*)", cfg.split("install_requires =")[1].split("\n\n")[0], re.M)
+    assert set(required) == {"torch", "numpy"} and line == ["pytest"], (required, line)
+    site = bare_site(requirement_closure(required + line), tmp_path / "site")
+    env = dict(os.environ, ZERO_CHECK="0", PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
+    for cmd in (["-m", "zerolab", "trace", "--stage", "3"],  # (collecting imports the road's harness)
+                ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                 "tests/notes/test_road.py", "tests/notes/test_exercises.py"]):
+        done = subprocess.run([sys.executable, "-S", *cmd], cwd=ROOT, env=env,  # -S: no site-packages
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode in (0, 1) and "Traceback" not in done.stderr, (cmd, done.stderr[-1500:])
