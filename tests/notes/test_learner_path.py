@@ -132,27 +132,29 @@ def test_a_bitwise_claim_against_fsdp2_says_at_which_world_size():
 
 
 def test_chapter_4_orders_the_backward_as_the_trace_does():
-    """Ch. 4: the next unit's pre_backward comes before the previous reduce-scatter's done."""
-    rows = [line[8:].split()[:2] for line in
+    """Ch. 4: a reduce-scatter is waited for in the next unit's post-backward, after that unit's
+    gradient is complete and before its own reduce-scatter is issued (issue 50's schedule; the
+    fourth edition waited in the next unit's pre-backward)."""
+    rows = [" ".join(line[8:].split()[:3]) for line in
             open(os.path.join(ROOT, "notes", "figures", "trace_stage2.txt")) if re.match(r" +\d+\.\d\d  ", line)]
-    events = [f"{unit} {event}" for unit, event in rows if unit.startswith("blocks")]
-    waits_in_pre_backward = events.index("blocks.0 pre_backward") < [
-        i for i, e in enumerate(events) if e == "blocks.1 reduce-scatter"][-1]  # done
+    at = rows.index
+    waits_in_post_backward = (at("blocks.0 post_backward: gradient") < at("blocks.1 reduce-scatter done")
+                              < at("blocks.0 reduce-scatter issued,"))
     text = " ".join(open(os.path.join(ROOT, "notes", "04-stage2.md")).read().split())
-    said = "the `reduce-scatter done` row after the `pre_backward` row" in text
-    assert waits_in_pre_backward and said
+    said = "the `reduce-scatter done` row after that unit's `gradient complete` row" in text
+    assert waits_in_post_backward and said
 
 
 def test_chapter_5_working_set_adds_up_to_what_the_schedule_prints():
     """Ch. 5's working-set sum: each partial sum right, and the last is the schedule's
     "in flight", the gradients at rest its "grads"."""
     text = " ".join(open(os.path.join(ROOT, "notes", "05-stage3.md")).read().split())
-    m = re.search(r"That is (\d+) \+ 2 × (\d+) = (\d+) bytes of full parameters and (\d+) \+ "
+    m = re.search(r"That is (\d+) \+ 2 × (\d+) = (\d+) bytes of full parameters and 2 × (\d+) \+ "
                   r"6 × (\d+) = (\d+) of gradients, (\d+) in all\. The state at rest already counts "
                   r"(\d+) bytes of gradients.*?worst instant is (\d+) − (\d+) = (\d+) bytes above it",
-                  text)
+                  text)  # two full gradients: one forming, one in flight (issue 50's schedule)
     root, block, params, full_grad, shard, grads, total, rest, w, r, above = map(int, m.groups())
-    assert root + 2 * block == params and full_grad + 6 * shard == grads
+    assert root + 2 * block == params and 2 * full_grad + 6 * shard == grads and full_grad == block
     assert params + grads == total == w and rest == r and w - r == above
     figure = re.search(r"measured, without transients.*?grads (\d+),.*?at rest (\d+) \+ in flight "
                        r"(\d+) =", text)
