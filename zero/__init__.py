@@ -66,6 +66,7 @@ from zero.surface.fsdp2 import fully_shard
 from zero.surface.grad_scaler import ShardedGradScaler
 from zero.surface.meta_init import init_parameters
 from zero.features.offload import CPUOffload
+from zero.features import logging_backend  # noqa: F401  (zero.features.logging_backend...)
 from zero.surface.policies import MixedPrecision
 from zero.surface.shard import no_sync, piece_of, shard, unit_of, units_of, units_on
 from zero.surface.full_state import full_state_dict, load_full_state_dict

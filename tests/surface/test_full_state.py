@@ -76,3 +76,32 @@ def test_broadcast_from_rank0_reaches_parameters_outside_the_units(how):
     for keys, wrong in run_ranks(_outside_units, 2, how):
         assert wrong == []
         assert tuple(keys) == ([], []), keys  # (the keys, on rank 1 too)
+
+
+def _from_meta(rank, n, norm: bool, broadcast: bool):
+    """fully_shard on the meta device, then a full state dict loaded before any to_empty."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), *[torch.nn.BatchNorm1d(8)] * norm,
+                                torch.nn.Linear(8, 4))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), *[torch.nn.BatchNorm1d(8)] * norm,
+                                    torch.nn.Linear(8, 4))
+    zero.fully_shard(model[0])
+    zero.fully_shard(model)
+    state = plain.state_dict() if rank == 0 or not broadcast else {}
+    try:
+        zero.load_full_state_dict(model, state, broadcast_from_rank0=broadcast)
+    except RuntimeError as e:
+        return str(e)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    return torch.equal(model(x), plain(x)) and not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_a_model_sharded_on_meta_takes_a_full_state_dict_as_on_fsdp2(broadcast):
+    """Its shards take the values and its parameters leave the meta device (the forward
+    refused, "still on the meta device", after a load that had given them values); buffers
+    that no unit shards and that are still on meta are named, with to_empty as the fix."""
+    assert run_ranks(_from_meta, 2, False, broadcast) == [True, True]
+    for said in run_ranks(_from_meta, 2, True, broadcast):
+        assert "1.running_mean" in said and "to_empty(device=...) first" in said, said

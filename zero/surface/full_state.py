@@ -75,6 +75,14 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     """
     units = units_of(model)
     placement.refuse(units, "zero.load_full_state_dict", TP_FIX)
+    on_meta = [n for n, t in [*model.named_buffers(), *model.named_parameters()]
+               if t.is_meta and not is_piece(t)]  # (the units' shards are real already)
+    if on_meta:
+        raise RuntimeError(
+            f"zero.load_full_state_dict: {', '.join(on_meta[:3])}"
+            f"{f' and {len(on_meta) - 3} more' if len(on_meta) > 3 else ''} on the meta device "
+            "(the model was built there), which no unit shards: call "
+            "model.to_empty(device=...) first, as with FSDP2, then load")
     group, ctx = units[0].mesh.all_group, units[0].root.context
     adoption.adopt_agreed(units, f"load a full state dict (broadcast_from_rank0="
                                  f"{broadcast_from_rank0})",
@@ -110,9 +118,13 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         same_model.take_rank0_values([model], outside, group, ctx)  # and the buffers
         keys = comm.all_gather_object(result and tuple(result), group=group, ctx=ctx)[0]
         result = _IncompatibleKeys(*keys)
+    loaded = result is None or not result.missing_keys
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():
             # our slice (rows: of the rank-major buffer); the next forward gathers the rest
             unit.sharded.copy_(unit.layout.to_wire(flat)[unit.local.slot])
+        if not unit.materialized and loaded:  # sharded on meta (fully_shard): now it has
+            unit.params_on_shard()  # values, and its parameters show them (FSDP2's
+            unit.materialized = True  # set_model_state_dict gives a meta model its values)
     return result
