@@ -1,6 +1,6 @@
 """The plan's time held against published FSDP training runs it was not built from.
 
-    python benchmarks/plan_published.py              # 14 runs, ~10 min on 2 CPUs
+    python benchmarks/plan_published.py              # 19 runs, ~2 min on 2 CPUs
     python benchmarks/plan_published.py --only 13b   # the rows whose name holds "13b"
 
 Each row is a run someone published: its model, GPUs, local batch, sequence, activation
@@ -15,6 +15,10 @@ The sources:
   FSDP2, bf16 with fp32 reduction, selective activation checkpointing, local batch 2 of 8,192
   tokens, H100 96 GB at 500 W: 5,762 tokens/s a GPU on 8 GPUs, 5,605 on 128.
   github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md
+- torchtitan, ``docs/performance.md``: FSDP2 on 64 A100 80 GB, Llama 3 8B (batch 1, selective
+  op AC: 2,973) and 70B (batch 1, full AC: 331) at Llama 3's sequence of 8,192, Llama 2 13B
+  (batch 2, no AC: 2,162; selective op AC: 1,904) and 70B (batch 2, full AC: 353) at Llama 2's
+  4,096. github.com/pytorch/torchtitan/blob/main/docs/performance.md
 - MosaicML's llm-foundry, ``scripts/train/benchmarking/README.md``, tables "H100 80GB BF16",
   "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" and "A100 40GB with 1600 Gbps
   node-node interconnect (RoCE)": MPT models, FSDP1 FULL_SHARD, flash attention, sequences of
@@ -23,6 +27,8 @@ The sources:
 
 How each is planned, and what differs:
 
+- Llama 2 is built by transformers from its shapes (``llama2`` below); torchtitan's own
+  Llama 2 has the same shapes. Its A100s' network is not stated: the DGX A100's is assumed.
 - MPT is a GPT of pre-norm blocks with a 4x GELU MLP and a tied 50,368-token embedding; the
   plan builds ``zerolab.models.GPT`` of the same width, depth and heads (``mpt`` below; its
   parameter count within 0.5% of the table's NumParams). MPT has no biases and no learned
@@ -55,6 +61,7 @@ sys.path.insert(0, HERE)
 import report  # noqa: E402
 
 TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3"
+TITAN_A100 = "torchtitan docs/performance.md, 64 A100 80GB, FSDP2"
 FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
 MPT = {"3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
        "30b": (7168, 48, 64), "70b": (8192, 80, 64)}  # llm-foundry's yamls: d_model, layers, heads
@@ -66,6 +73,24 @@ def mpt(size: str):
 
     dim, layers, heads = MPT[size]
     return GPT(GPTConfig(vocab=50368, seq=2048, dim=dim, layers=layers, heads=heads))
+
+
+def llama2(dim: int, hidden: int, layers: int, heads: int, kv_heads: int):
+    """Llama 2 of these shapes, as transformers builds it (vocabulary 32,000, 4,096 positions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         vocab_size=32000, max_position_embeddings=4096, use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def llama2_13b():
+    return llama2(5120, 13824, 40, 40, 40)
+
+
+def llama2_70b():
+    return llama2(8192, 28672, 80, 64, 8)
 
 
 def mpt_3b():
@@ -95,6 +120,16 @@ RUNS = [
      f"{TITAN}: 8 GPUs, FSDP, local batch 2, 8,192 tokens"),
     ("llama3.1-8b h100 x128", "torchtitan:llama3:8B", "h100-96gb", 128, 2, 8192, "selective",
      5605, f"{TITAN}: 128 GPUs"),
+    ("llama3-8b a100-80 x64", "torchtitan:llama3:8B", "dgx-a100-80gb", 64, 1, 8192, "selective",
+     2973, f"{TITAN_A100}: Llama 3 8B, batch 1, selective op AC (seq 8,192, Llama 3's default)"),
+    ("llama3-70b a100-80 x64", "torchtitan:llama3:70B", "dgx-a100-80gb", 64, 1, 8192, "full", 331,
+     f"{TITAN_A100}: Llama 3 70B, batch 1, full AC"),
+    ("llama2-13b a100-80 x64", "plan_published:llama2_13b", "dgx-a100-80gb", 64, 2, 4096, None,
+     2162, f"{TITAN_A100}: Llama 2 13B, batch 2, no AC (seq 4,096, Llama 2's default)"),
+    ("llama2-13b a100-80 x64 sac", "plan_published:llama2_13b", "dgx-a100-80gb", 64, 2, 4096,
+     "selective", 1904, f"{TITAN_A100}: Llama 2 13B, batch 2, selective op AC"),
+    ("llama2-70b a100-80 x64", "plan_published:llama2_70b", "dgx-a100-80gb", 64, 2, 4096, "full",
+     353, f"{TITAN_A100}: Llama 2 70B, batch 2, full AC"),
     ("mpt-3b h100 x32", "plan_published:mpt_3b", "dgx-h100", 32, 6, 2048, None, 23021,
      f"{FOUNDRY}, H100 80GB BF16: 3b, 2048, 32 GPUs, MicroBatchSize 6, GradAccum 3, no AC"),
     ("mpt-3b h100 x64", "plan_published:mpt_3b", "dgx-h100", 64, 6, 2048, None, 22525,
