@@ -453,6 +453,22 @@ def test_a_policy_with_pythons_default_repr_is_described_by_its_fields():
         assert "block=128" in message and " at 0x" not in message, message
 
 
+def _apart(rank, n):
+    policy = _PlainCollectives(64)
+    policy.in_place_ok = False  # (it needs the shard apart from the full buffer)
+    try:
+        zero.shard(torch.nn.Linear(4, 4), stage=2, comm_policy=policy)
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_a_refusal_names_a_policy_by_its_fields_not_its_address():
+    for message in run_ranks(_apart, 2):
+        assert message.startswith("test_seams._PlainCollectives(block=64, ") and \
+            " at 0x" not in message and "needs the shard apart" in message, message
+
+
 # ---- the shape --------------------------------------------------------------------------------
 
 

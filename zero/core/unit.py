@@ -56,6 +56,7 @@ from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import adoption, guards, registry
 from zero.core.config import MeshInfo, UnitConfig
 from zero.core.flat import LocalShard
+from zero.core.same_model import describe
 from zero.core.grads import Gradient
 from zero.core.param import ShardedParam
 from zero.core.rows import CopiedOut
@@ -106,9 +107,9 @@ class Unit:
                                          device=config.device)
             self._unsharded_data = self.unsharded.data
             if config.shards_in_place and not config.comm.in_place_ok:
-                raise ValueError(f"{config.comm!r} needs the shard apart from the full buffer, "
-                                 f"but stage {config.stage.number} without a cast keeps it "
-                                 "inside: use stage 3, or compute in another dtype (mp_policy)")
+                raise ValueError(f"{describe(config.comm)} needs the shard apart from the full "
+                                 f"buffer, but stage {config.stage.number} without a cast keeps "
+                                 "it inside: use stage 3, or compute in another dtype (mp_policy)")
             if config.shards_in_place:
                 # (.data: its own version counter, which only writes to the shard move.)
                 self.sharded = self._unsharded_data[self.local.slot].data
