@@ -67,7 +67,7 @@ def measure(rank: int, n: int, kind: str, args, time_only: bool = False) -> dict
         return _measure(rank, n, kind, args, time_only, None)
     from zerolab.emulate import Recorder
 
-    with Recorder() as recorder:  # (the system is built inside: its streams are emulated)
+    with Recorder(args.clock) as recorder:  # (the system is built inside: its streams are emulated)
         return _measure(rank, n, kind, args, time_only, recorder)
 
 
@@ -290,6 +290,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "collectives priced on a zerolab.clusters preset's links, dilated to this "
                         "CPU's compute, with a GPU's stream semantics; NAME fills a node, "
                         "NAME:2-nodes spreads the ranks over two (e.g. dgx-h100,dgx-h100:2-nodes)")
+    p.add_argument("--clock", default="kernels", choices=("kernels", "process"),
+                   help="with --network: what counts as compute, the CPU time inside aten "
+                        "operators (kernels: a GPU's stream, the host's Python left out) or all "
+                        "of the process's CPU time (process)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="timing rounds, systems interleaved round by round (default 1; 3 with "
                         "--network); the first also measures memory and bytes")
@@ -516,7 +520,7 @@ def emulated(rows: list[dict], args) -> None:
 
     model = make_model(args)
     threads = max(1, (os.cpu_count() or 1) // args.world_size)  # as zerolab/launch.py's ranks
-    cpu = emulate.cpu_step_seconds(model, args.batch, threads)
+    cpu = emulate.cpu_step_seconds(model, args.batch, threads, clock=args.clock)
     args.emulation = {"cpu_step_s": cpu, "networks": {}}
     for spec in args.network:
         preset = PRESETS[spec.partition(":")[0]]

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolab.cost import Call, Cluster, record_time
 
@@ -333,16 +335,53 @@ def _wrap(name: str, real):
 
 
 def process_cpu_time() -> float:
-    """The clock: this process's CPU seconds (every thread's; the ranks compute on one)."""
+    """This process's CPU seconds (every thread's; the ranks compute on one)."""
     return time.process_time()
+
+
+class Kernels(TorchDispatchMode):
+    """The clock that counts only operators: the CPU seconds spent inside each aten operator
+    (a GPU's kernels), not in the Python around them (the host's work, which on a GPU runs
+    ahead of the kernels it queues), nor in the collectives. ``total`` is the clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0.0
+
+    def __call__(self) -> float:
+        return self.total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor first turns its op into plain ops
+        t0 = time.process_time()
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "namespace", None) not in ("c10d", "_c10d_functional") and \
+                not (_state is not None and _state.inside):
+            self.total += time.process_time() - t0
+        return out
+
+
+CLOCKS = ("kernels", "process")
 
 
 class Recorder:
     """``with Recorder() as rec:`` for a whole run (build the model inside it, so that its
-    streams are the emulated ones); ``with rec.step() as log:`` around each step to record."""
+    streams are the emulated ones); ``with rec.step() as log:`` around each step to record.
 
-    def __init__(self, clock=process_cpu_time):
-        self.clock = clock
+    Args:
+        clock: "kernels" (the default: compute is the CPU time inside aten operators, as a
+            GPU's stream runs only kernels) or "process" (all of the process's CPU time between
+            two events, the host's Python included).
+    """
+
+    def __init__(self, clock: str = "kernels"):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock {clock!r}: one of {CLOCKS}")
+        self.kernels = Kernels() if clock == "kernels" else None
+        self.clock = self.kernels if self.kernels is not None else process_cpu_time
         self._saved: list = []
 
     def __enter__(self) -> "Recorder":
@@ -380,7 +419,8 @@ class Recorder:
         st.current = None
         st.last = self.clock()
         try:
-            yield log
+            with self.kernels if self.kernels is not None else contextlib.nullcontext():
+                yield log
         finally:
             st.tick()
             st.note("sync")
@@ -547,19 +587,21 @@ def _plain(model: torch.nn.Module, batch: int):
 
 
 def cpu_step_seconds(model: torch.nn.Module, batch: int, threads: int = 1, steps: int = 3,
-                     clock=process_cpu_time) -> float:
+                     clock: str = "kernels") -> float:
     """This CPU's compute for one training step of ``model`` on one rank's ``batch`` (forward,
     backward, AdamW; no communication), on ``threads`` threads as a rank computes: the median
-    of ``steps`` steps on the emulation's clock."""
+    of ``steps`` steps on the emulation's ``clock`` (``Recorder``'s)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         m, opt, x, y = _plain(model, batch)
         times = []
         for _ in range(steps):
-            t0 = clock()
-            _plain_step(m, opt, x, y)
-            times.append(clock() - t0)
+            kernels = Kernels() if clock == "kernels" else None
+            t0 = process_cpu_time()
+            with kernels if kernels is not None else contextlib.nullcontext():
+                _plain_step(m, opt, x, y)
+            times.append(kernels.total if kernels is not None else process_cpu_time() - t0)
     finally:
         torch.set_num_threads(before)
     return sorted(times)[len(times) // 2]
