@@ -16,10 +16,13 @@ collective recorded but moving nothing. What it reports, per rank:
   gradient, in DDP's buckets, which its peak counts too (a flat copy of the gradients, held
   from wrapping on);
 - time on the preset's GPUs (``zerolab/steptime.py``): every operator of the step priced by a
-  roofline (``zerolab/roofline.py``: matmuls at the GPU's measured maximum throughput,
-  attention by formula at FlashAttention-2's, the rest by bytes over the memory bandwidth),
-  every collective by ``zerolab/cost.py``, the two played together as the system's schedule
-  overlaps them (``zerolab/overlap.py``): the step, and the communication left exposed.
+  roofline (``zerolab/roofline.py``: matmuls at the GPU's measured maximum by their tiles'
+  waves, attention by formula at FlashAttention-2's measured rate, the rest by bytes at the
+  measured memory bandwidth, each kernel at least a launch, at the clocks a stated power limit
+  allows), every collective as NCCL's tuning model prices it (``zerolab/cost.py``), the two
+  played together as the system's schedule overlaps them, the computation slowed while a
+  collective runs (``zerolab/overlap.py``): the step, and the communication left exposed.
+  ``--explain`` splits the step by cause, each effect's share (``steptime.explain``).
 
 The units are the model's repeated blocks (``zerolab.planmodel.repeated_blocks``: the children
 of a ``ModuleList`` that are all of one class), each one unit, and the root holding the rest.

@@ -98,7 +98,7 @@ def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float 
            if kind == "ddp" else ())
     tasks = overlap.tasks_for(kind, depth, units, mixed_precision, start, end, ddp)
     slowdown = preset.device.comm_slowdown if "contention" in effects else 0.0
-    out = overlap.run(pieces, tasks, slowdown)
+    out: dict = overlap.run(pieces, tasks, slowdown)
     out["comm_s"] = sum(t.seconds for t in tasks)
     out["compute_s_by_kind"] = {kind_: sum(priced[k][kind_] for k in keys)
                                 for kind_ in ("matmul", "attention", "memory", "host")}
