@@ -693,7 +693,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gb", type=float, default=None,
                    help="device memory a GPU, GB of 1e9 (default: the preset's)")
     p.add_argument("--tflops", type=float, default=None,
-                   help="rated dense TFLOPS a GPU (default: the preset's)")
+                   help="dense TFLOPS a GPU runs at, replacing the preset's rating and any power "
+                        "limit it applies (default: the preset's)")
     p.add_argument("--intra-gbs", type=float, default=None,
                    help="the ring bus bandwidth NCCL reaches within a node, GB/s (default: the "
                         "preset's)")
