@@ -612,3 +612,14 @@ def test_the_learners_install_line_installs_what_the_path_runs(tmp_path):
         done = subprocess.run([sys.executable, "-S", *cmd], cwd=ROOT, env=env,  # -S: no site-packages
                               capture_output=True, text=True, timeout=300)
         assert done.returncode in (0, 1) and "Traceback" not in done.stderr, (cmd, done.stderr[-1500:])
+
+
+def test_the_start_page_defines_its_words_before_it_uses_them():
+    """Issue 50: the start page said "unit", "root", "the package" and `Gather` well before its
+    glossary defined them. Each is now in bold where it is first used."""
+    page = read("notes/00-start-here.md").split("## From the road's names")[0]
+    for term, pattern in (("unit", r"\bunits?\b"), ("root", r"\broot\b"),
+                          ("The package", r"\bthe package\b"), ("`Gather`", r"`Gather\b")):
+        defined = page.index(f"**{term}**")
+        first = re.search(pattern, page, re.I).start()
+        assert first >= defined, (term, page[first - 60: first + 20])
