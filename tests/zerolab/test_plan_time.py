@@ -135,3 +135,18 @@ def test_torchtitans_published_8b_runs_within_25_percent_and_their_trend_within_
     plan = got[128]["tokens_per_s_per_gpu"] / got[8]["tokens_per_s_per_gpu"] - 1
     assert abs(plan - (5605 / 5762 - 1)) <= 0.10, plan
     assert math.isfinite(plan)
+
+
+def test_the_emulated_cluster_prices_each_collective_as_the_plan_does():
+    # zerolab/emulate.py plays a recorded run's collectives on a preset's links; the plan prices
+    # its simulated run's: the same collective on the same ranks costs the same in both
+    emulate = pytest.importorskip("zerolab.emulate")
+    for name in ("dgx-h100", "dgx-a100-40gb", "cloud-ethernet"):
+        cluster = PRESETS[name].cluster
+        for n in (2, 8, 16, 64):
+            net = emulate.network(name, n)
+            for op, factor in (("all_gather", 1), ("reduce_scatter", 1), ("all_reduce", 2)):
+                buffer = 64e6
+                sent = factor * buffer * (n - 1) / n
+                plan = record_time(Call(op, buffer, sent, "world", n), cluster)
+                assert net.seconds(op, buffer, sent, tuple(range(n))) == pytest.approx(plan)
