@@ -112,8 +112,9 @@ class Comm(Protocol):
 class ParamForm(Protocol):
     """What the module computes with for one parameter (``ShardedParam.form``), made of the
     parameter's view into the unit's full buffer: the view itself (``AsIs``), a DTensor on
-    its tensor-parallel mesh (``Placement``), or what its tensor subclass builds from the
-    all-gather (``SubclassForm``). FSDP2 decides the same once per parameter
+    its tensor-parallel mesh (``Placement``), what its tensor subclass builds from the
+    all-gather (``SubclassForm``), or a copy in its own strides for a parameter that is not
+    contiguous (``Strided``). FSDP2 decides the same once per parameter
     (``FSDPParam.init_unsharded_param``)."""
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor: ...  # after each gather

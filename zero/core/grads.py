@@ -20,11 +20,14 @@ it into an fp32 buffer ourselves, as FSDP2 does.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
 from zero.core.flat import LocalShard
+
+if TYPE_CHECKING:
+    from zero.core.config import MeshInfo, UnitConfig
 
 
 class Division(NamedTuple):
@@ -90,7 +93,7 @@ class Gradient:
     """
 
     def __init__(self, leaf: torch.Tensor, sharded_params: list, local: LocalShard,
-                 master: torch.Tensor, config, mesh, name: str):
+                 master: torch.Tensor, config: UnitConfig, mesh: MeshInfo, name: str):
         self.leaf, self.sharded_params = leaf, sharded_params
         self.local, self.master = local, master
         self.config, self.mesh, self.name = config, mesh, name

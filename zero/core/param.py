@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from zero import api
+
 
 class AsIs:
     """The form of a plain parameter: the module computes with its view into the full buffer."""
@@ -73,7 +75,7 @@ class ShardedParam:
         self.sharded = sharded
         self._offset = offset  # where this rank's piece starts in the flattened parameter
         # what the module computes with, made of its view (``unsharded``)
-        self.form: AsIs | Strided = AS_IS if stride is None else Strided(stride)
+        self.form: api.ParamForm = AS_IS if stride is None else Strided(stride)
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
         """What the module computes with, given this parameter's view into the unit's full

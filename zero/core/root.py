@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zero import comm
+from zero import api, comm
 from zero.comm.context import label
 from zero.core import adoption, registry, running_stats
 from zero.core.same_model import describe
@@ -89,7 +89,7 @@ class Root:
         self.members: list = []  # every unit pointing here, as zero.shard made them
         self._units: list | None = None
         self._guard: Guard | None = None
-        self._schedule = None
+        self._schedule: api.Schedule | None = None
         self._order: Order | None = None
         self._reductions: Reductions | None = None
         self.deferred: list = []  # stage 3: to free once their backward is surely over
@@ -165,7 +165,7 @@ class Root:
         return self._guard
 
     @property
-    def schedule(self):
+    def schedule(self) -> api.Schedule:
         """The prefetch policy: the one given to the root's ``zero.shard``, or zero's own with
         the depth given there (1 by default, FSDP2's)."""
         if self._schedule is None:
