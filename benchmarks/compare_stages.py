@@ -79,9 +79,17 @@ def _measure(rank: int, n: int, kind: str, args, time_only: bool, recorder) -> d
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     base = make_model(args).to(device)
-    layout = {"layout": args.layout, "wrap": args.wrap} if kind.startswith("zero") else {}
-    system = System(kind, base, "adamw", mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"),
-                    **layout)
+    variant = getattr(args, "variants", {}).get(kind)
+    if variant is not None:  # a schedule of someone's own: its zero.shard arguments
+        from zerolab.variants import load
+
+        shard = load(variant)
+        system = System(kind, base, "adamw", mp=args.mixed_precision, shard=shard)
+        system.own_precision = shard.get("mp_policy") is not None  # (compared among its own)
+    else:
+        layout = {"layout": args.layout, "wrap": args.wrap} if kind.startswith("zero") else {}
+        system = System(kind, base, "adamw",
+                        mp=args.mixed_precision and kind not in ("ddp", "ddp+zro"), **layout)
     losses = []
 
     def step(i):
@@ -123,6 +131,9 @@ def _measure(rank: int, n: int, kind: str, args, time_only: bool, recorder) -> d
     peak_snapshot = mem.get_tracker_snapshot("peak").get(device, {})
     return {
         "kind": kind,
+        "ours": system.ours,
+        "variant": variant,
+        "own_precision": getattr(system, "own_precision", False),
         "losses": losses,
         "psi": sum(p.numel() for p in base.parameters()),
         "trainable": sum(p.numel() for p in base.parameters() if p.requires_grad),
@@ -160,7 +171,8 @@ def _disk_store(opt) -> dict | None:
 def _schedule(kind, system, n, args) -> dict:
     """zerolab.memory.schedule for our stages: the paper's terms walked through our schedule
     (fp32, every parameter trained: not for --mixed-precision or --frozen)."""
-    if not kind.startswith("zero") or args.mixed_precision or args.frozen:
+    if not kind.startswith("zero") or args.mixed_precision or args.frozen or system.kind in \
+            getattr(args, "variants", {}):  # (a variant's schedule is not the formula's)
         return {}
     units = zero.units_of(system.model)
     return {"schedule": schedule([u.layout.padded_numel for u in units], stage_of(kind), n,
@@ -198,7 +210,7 @@ def _record_ddp_buckets(ddp) -> dict:
 
 
 def _tracker(kind, system, buckets=()):
-    if kind.startswith("zero"):
+    if system.ours:
         return ZeroMemTracker(system.model, system.opt)
     if kind.startswith("fsdp2"):
         return PeakFSDPMemTracker(system.model, system.opt)
@@ -300,6 +312,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="FILE", type=output_file,
                    help="with --network: the emulated timelines, Chrome trace format (Perfetto); "
                         "default: beside the results file, .trace.json")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=module:factory",
+                   help="a schedule of your own beside the systems (several: repeat the flag): "
+                        "the factory returns a dict of zero.shard arguments, policies included, "
+                        "applied to every unit as zero3's are (zerolab/variants.py)")
     p.add_argument("--targets", action="store_true",
                    help="issue 46's targets, emulated, in one results file: the default GPT and "
                         f"a 35.7M one ({BIG[0]} blocks of {BIG[1]}), at 2 and 4 ranks, on "
@@ -319,6 +335,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         from zerolab.plan import SYSTEMS
 
         args.systems = list(SYSTEMS if args.model else KINDS)
+    args.variants = {}
+    for text in args.variant:
+        from zerolab.variants import load, parse, stage
+
+        try:
+            name, spec = parse(text)
+            if name in KINDS + FAMILY or name in args.variants:
+                raise ValueError(f"--variant {name}: the name is taken; choose another")
+            PAPER_STAGE[name] = stage(spec)  # (the paper's columns: the stage it runs)
+        except ValueError as e:
+            p.error(str(e))
+        args.variants[name] = spec
+    args.systems = list(args.systems) + [n for n in args.variants if n not in args.systems]
     args.kinds = args.systems
     args.sized = args.layers is not None or args.dim is not None  # (--targets: this size only)
     args.layers = args.layers or (FROZEN_LAYERS if args.frozen else LAYERS)
@@ -434,8 +463,8 @@ def measured(r: dict) -> dict:
             "peak_bytes_per_rank": r["memory"].get("Total", 0),
             "bytes_sent_per_rank_per_step": sum(r["sent"].values()),
             # ours: the ledger, less the ranks' agreements (a fake group, the plan's, skips them)
-            "ledger_bytes_per_rank_per_step": r["ledger"] if r["kind"].startswith("zero") else None,
-            "agreement_bytes_per_rank_per_step": r["agreements"] if r["kind"].startswith("zero")
+            "ledger_bytes_per_rank_per_step": r["ledger"] if r.get("ours") else None,
+            "agreement_bytes_per_rank_per_step": r["agreements"] if r.get("ours")
             else None}
 
 
@@ -605,6 +634,11 @@ def targets(args, argv=None) -> None:
             print(f"targets: {layers} x {dim} on {n} ranks in {time.monotonic() - start:.0f}s",
                   file=sys.stderr, flush=True)
             sections.append((a, rows))
+    if keep := os.environ.get("ZEROLAB_KEEP_RUNS"):  # every log, to render the file again
+        import pickle
+
+        with open(keep, "wb") as f:
+            pickle.dump((sections, args, command), f)
     report.write_targets(sections, args, command)
 
 

@@ -68,7 +68,7 @@ def traffic_table(rows, n, stage_of) -> list[str]:
     ring = (n - 1) / n
     for r in rows:
         per_psi = r["elements"] / (r["psi"] * ring) if ring else 0.0
-        ledger = _mib(r["ledger"]) if r["kind"].startswith("zero") else "-"
+        ledger = _mib(r["ledger"]) if r.get("ours", r["kind"].startswith("zero")) else "-"
         paper = traffic_in_psi(stage_of[r["kind"]])
         out.append(f"| {r['kind']} | " + " | ".join(_mib(r["sent"].get(o, 0)) for o in ops) +
                    f" | {_mib(sum(r['sent'].values()))} | {per_psi:.3f} | {paper:.0f} | {ledger} |")
@@ -152,6 +152,10 @@ def formula_table(rows, n) -> list[str]:
         out.append(f"| {r['kind']} | {_mib(paper)} | {_mib(s['at_rest'])} | {_mib(s['in_flight'])} "
                    f"| {_mib(s['peak'])} | {_mib(r['model_states_peak'])} "
                    f"| {r['model_states_peak'] / s['peak']:.4f} |")
+    for r in rows:
+        if r.get("variant"):  # the formula walks the default schedule, not a variant's
+            out.append(f"| {r['kind']} | n/a | n/a | n/a | n/a | {_mib(r['model_states_peak'])} "
+                       f"| n/a |")
     return out
 
 
@@ -181,6 +185,8 @@ def write(rows, args, argv, stage_of) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for r in rows:
         r["precision"] = "bf16" if args.mixed_precision and not r["kind"].startswith("ddp") else "fp32"
+        if r.get("own_precision"):  # a variant with a precision policy of its own
+            r["precision"] = f"{r['kind']}'s own mp_policy"
     head = [
         f"# Stage comparison{' sweep' if args.sweep else ''}, {date}", "",
         f"- machine: {machine()} ({cpu_name()}), device {args.device}",

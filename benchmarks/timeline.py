@@ -1,6 +1,8 @@
 """One training step per system, traced: when each unit computes, when each collective runs.
 
     python benchmarks/timeline.py     # ~20 s: traces in benchmarks/results/timeline/, a PNG in notes/figures/
+    python benchmarks/timeline.py --emulated RESULTS.trace.json --match "4x128, 2 ranks, dgx-h100,"
+        # the emulated GPU timelines that compare_stages.py --network wrote, drawn
 
 Each system trains the default GPT of compare_stages.py on 2 CPU ranks; the third step is
 recorded with torch.profiler on every rank. Rank 0's Chrome trace is saved (open it in
@@ -217,6 +219,63 @@ def draw(per_kind: dict, png: str) -> None:
     fig.savefig(png, dpi=130)
 
 
+def emulated_lanes(path: str, match: str) -> dict:
+    """{process name: {track: [(start, dur, what)]}} from an emulated Chrome trace
+    (zerolab/emulate.py, as compare_stages.py --network writes it), the processes whose name
+    contains ``match``, in GPU microseconds."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("name") == "process_name" and match in e["args"]["name"]}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("name") == "thread_name" and e["pid"] in procs}
+    out: dict = {name: {} for name in procs.values()}
+    for e in events:
+        if e["ph"] == "X" and e["pid"] in procs:
+            what = e["name"].removeprefix("wait ")
+            what = "wait" if e["name"].startswith("wait") else what
+            out[procs[e["pid"]]].setdefault(tracks[(e["pid"], e["tid"])], []).append(
+                (e["ts"], e["dur"], what))
+    return out
+
+
+EMULATED_COLOURS = {"compute": "#4c72b0", "wait": "#222222", "all_gather": "#8172b3",
+                    "reduce_scatter": "#c44e52", "all_reduce": "#dd8452", "broadcast": "#937860",
+                    "all_to_all": "#55a868"}
+
+
+def draw_emulated(per_system: dict, png: str, title: str) -> None:
+    """One row per stream of each system (the computing stream first): compute, the waits of
+    the computing stream (black: exposed), and each collective from its start to its finish."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(name, track) for name, tracks in per_system.items()
+            for track in sorted(tracks, key=lambda t: (t != "compute", t))]
+    fig, ax = plt.subplots(figsize=(14, 0.38 * len(rows) + 1.6))
+    for y, (name, track) in enumerate(reversed(rows)):
+        spans = per_system[name][track]  # (side streams' copies first: collectives on top)
+        for start, dur, what in sorted(spans, key=lambda x: x[2] != "compute"):
+            ax.barh(y, max(dur, 0.01), left=start, height=0.7, linewidth=0,
+                    color=EMULATED_COLOURS.get(what, "gray"))
+        if track == "compute" and y + 1 < len(rows):
+            ax.axhline(y + 0.5, color="#999999", linewidth=0.6)
+    ax.set_yticks(range(len(rows)), [f"{n.split(',')[0]}: {t}" for n, t in reversed(rows)],
+                  fontsize=7)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel(f"GPU microseconds since the step began (rank 0, emulated): {title}",
+                  fontsize=8)
+    kinds = list(EMULATED_COLOURS)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=EMULATED_COLOURS[k]) for k in kinds]
+    ax.legend(handles, ["compute", "computing stream waits (exposed)", *kinds[2:]], fontsize=7,
+              ncol=len(kinds), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", type=comma_list(ALL_KINDS), default=KINDS,
@@ -226,7 +285,18 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=positive_int, default=cs.LAYERS)
     p.add_argument("--png", type=output_file,
                    default=os.path.join(HERE, "..", "notes", "figures", "timeline.png"))
+    p.add_argument("--emulated", default=None, metavar="TRACE",
+                   help="instead: draw the emulated timelines of a trace that compare_stages.py "
+                        "--network wrote (.trace.json), the processes whose name has --match")
+    p.add_argument("--match", default="", help="with --emulated: e.g. '4x128, 2 ranks, dgx-h100'")
     args = p.parse_args(argv)
+    if args.emulated:
+        per_system = emulated_lanes(args.emulated, args.match)
+        if not per_system:
+            p.error(f"no process of {args.emulated} has {args.match!r} in its name")
+        draw_emulated(per_system, args.png, args.match or os.path.basename(args.emulated))
+        print(f"wrote {args.png}")
+        return
     if args.dim % cs.HEADS:
         p.error(f"--dim must be a multiple of the number of heads ({cs.HEADS}), got {args.dim}")
     size = argparse.Namespace(world_size=2, seq=cs.SEQ, dim=args.dim, layers=args.layers,

@@ -91,9 +91,25 @@ class System:
 
     def __init__(self, kind: str, base: nn.Module, opt: str = "adamw", mp: bool = False,
                  reshard_after_forward: bool | None = None, mesh_shape: tuple | None = None,
-                 ranks_per_node: int | None = None, layout: str = "flat", wrap: str = "units"):
+                 ranks_per_node: int | None = None, layout: str = "flat", wrap: str = "units",
+                 shard: dict | None = None):
         self.kind, self.base = kind, base
+        # ours: a stage of KINDS or FAMILY, or a variant: ``shard`` holds the zero.shard
+        # arguments (any, policies included) of a schedule of someone's own ("stage": 3 if
+        # not given), applied to every unit as "zero3"'s are (zerolab.variants)
+        self.ours = kind.startswith("zero") or shard is not None
         model = copy.deepcopy(base)
+        if shard is not None:
+            shard = dict(shard)
+            stage = shard.pop("stage", 3)
+            policy = zero.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
+            fp32_units = getattr(model, "fp32_units", list)()
+            for unit in model.units():
+                unit_policy = None if any(unit is m for m in fp32_units) else policy
+                zero.shard(unit, **{"stage": stage, "mp_policy": unit_policy, **shard})
+            self.model = model
+            self.opt = make_optimizer(opt, list(model.named_parameters()))
+            return
         if kind == "replicated":
             self.model = model
             self.opt = make_optimizer(opt, list(model.named_parameters()))
@@ -166,6 +182,8 @@ class System:
         self.opt = make_optimizer(opt, list(model.named_parameters()))
 
     def no_sync(self):
+        if self.ours:
+            return zero.no_sync(self.model)
         if self.kind == "replicated":
             return contextlib.nullcontext()  # it averages only after the step's last backward
         if self.kind.startswith("ddp"):
@@ -175,19 +193,19 @@ class System:
         return zero.no_sync(self.model)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        if self.kind.startswith("zero"):
+        if self.ours:
             return zero.clip_grad_norm_(self.model, max_norm, norm_type)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def full_params(self) -> dict[str, torch.Tensor]:
-        if self.kind.startswith("ddp"):
+        if self.kind.startswith("ddp") and not self.ours:
             return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}
         if self.kind == "replicated":
             return {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        if self.kind.startswith("fsdp2"):
+        if self.kind.startswith("fsdp2") and not self.ours:
             return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
-        if self.kind.startswith("zero") and hasattr(next(self.model.parameters()), "full_tensor"):
+        if self.ours and hasattr(next(self.model.parameters()), "full_tensor"):
             pass  # rows: DTensor parameters, but gathered like every layout, below
         full = zero.full_state_dict(self.model)  # also buffers and tied aliases: keep params
         return {n: full[n].clone() for n, _ in self.model.named_parameters()}
