@@ -485,8 +485,6 @@ def plan_beside(rows, spec, info) -> list[str]:
 
 def write_trace(rows, args, path: str) -> str:
     """Rank 0's median step of every system's last round, on each network, as a Chrome trace."""
-    import json
-
     from zerolab.emulate import chrome_trace
 
     steps = []
@@ -494,9 +492,17 @@ def write_trace(rows, args, path: str) -> str:
         for r in rows:
             log, played = r["emulated"][spec][-1]["trace"]
             steps.append((f"{r['kind']} on {spec}", log, played, info["dilation"]))
-    with open(path, "w") as f:
-        json.dump(chrome_trace(steps), f)
+    _dump(chrome_trace(steps), path)
     return path
+
+
+def _dump(trace: dict, path: str) -> None:
+    """A trace as JSON, gzipped where the path ends in .gz (Perfetto opens either)."""
+    import gzip
+    import json
+
+    with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
+        json.dump(trace, f)
 
 
 def write_targets(sections, args, argv) -> str:
@@ -556,7 +562,7 @@ def write_targets(sections, args, argv) -> str:
                 plan_rows.append(f"| {label} | {a.world_size} | {spec} | {r['kind']} | "
                                  f"{1e6 * p['exposed_comm_s']:.1f} | {1e6 * e:.1f} | {ratio:.2f} "
                                  f"| {'yes' if abs(ratio - 1) <= 0.2 else 'no'} |")
-    trace = out.removesuffix(".md") + ".trace.json"
+    trace = out.removesuffix(".md") + ".trace.json.gz"
     steps = []
     from zerolab.emulate import chrome_trace
 
@@ -566,10 +572,7 @@ def write_targets(sections, args, argv) -> str:
                 log, played = r["emulated"][spec][-1]["trace"]
                 steps.append((f"{r['kind']}, {a.layers}x{a.dim}, {a.world_size} ranks, {spec}",
                               log, played, info["dilation"]))
-    import json
-
-    with open(trace, "w") as f:
-        json.dump(chrome_trace(steps), f)
+    _dump(chrome_trace(steps), trace)
     tail = ["", f"Emulated timelines (rank 0's median step of each system's last round, GPU "
                 f"microseconds; open in https://ui.perfetto.dev): `{os.path.basename(trace)}`"]
     text = "\n".join(head + summary + plan_rows + body + tail) + "\n"

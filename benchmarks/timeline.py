@@ -223,7 +223,7 @@ def emulated_lanes(path: str, match: str) -> dict:
     """{process name: {track: [(start, dur, what)]}} from an emulated Chrome trace
     (zerolab/emulate.py, as compare_stages.py --network writes it), the processes whose name
     contains ``match``, in GPU microseconds."""
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         events = json.load(f)["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("name") == "process_name" and match in e["args"]["name"]}

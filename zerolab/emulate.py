@@ -541,6 +541,20 @@ def stream_names(log: list) -> dict[int, str]:
     return {s: "+".join(o) + " stream" if o else "side stream (copies)" for s, o in ops.items()}
 
 
+def _merged(spans: list) -> list:
+    """Spans with each run of back-to-back spans of one name on one track made one."""
+    out: list = []
+    last: dict = {}  # track -> index in out of its last span
+    for track, label, start, end in spans:
+        i = last.get(track)
+        if i is not None and out[i][1] == label == "compute" and out[i][3] == start:
+            out[i] = (track, label, out[i][2], end)
+            continue
+        last[track] = len(out)
+        out.append((track, label, start, end))
+    return out
+
+
 def chrome_trace(steps: list[tuple[str, list, Played, float]]) -> dict:
     """A Chrome / Perfetto trace of played steps: one process per (name, log, played, dilation),
     a thread per stream (the computing stream first). Times in GPU microseconds (the emulated
@@ -550,7 +564,7 @@ def chrome_trace(steps: list[tuple[str, list, Played, float]]) -> dict:
         names = stream_names(log)
         tids: dict[str, int] = {"compute": 1}
         out.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
-        for track, label, start, end in played.spans:
+        for track, label, start, end in _merged(played.spans):
             if track.startswith("stream "):
                 track = names.get(int(track.split()[1]), track)
             if track not in tids:
