@@ -20,7 +20,7 @@ it into an fp32 buffer ourselves, as FSDP2 does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,7 @@ from zero.core.flat import LocalShard
 
 if TYPE_CHECKING:
     from zero.core.config import MeshInfo, UnitConfig
+    from zero.core.state import Controls
 
 
 class Division(NamedTuple):
@@ -90,20 +91,17 @@ class Gradient:
             it, the offload policy that takes the reduced shard where the optimizer steps.
         mesh: the unit's ``MeshInfo``: its group, and HSDP's replicas if any.
         name: the unit's name, for the ledger.
+        controls: the unit's ``Controls``, where FSDP2's gradient settings live (divide
+            factor, forced sums, HSDP's all-reduce and its hook, unused parameters).
     """
 
     def __init__(self, leaf: torch.Tensor, sharded_params: list, local: LocalShard,
-                 master: torch.Tensor, config: UnitConfig, mesh: MeshInfo, name: str):
+                 master: torch.Tensor, config: UnitConfig, mesh: MeshInfo, name: str,
+                 controls: Controls):
         self.leaf, self.sharded_params = leaf, sharded_params
         self.local, self.master = local, master
-        self.config, self.mesh, self.name = config, mesh, name
+        self.config, self.mesh, self.name, self.controls = config, mesh, name, controls
         self.reduce_dtype, self.keeps_full = config.reduce_dtype, config.keeps_full_gradient
-        self.divide_factor: float | None = None  # FSDP2's set_gradient_divide_factor
-        self.force_sum = False  # FSDP2's set_force_sum_reduction_for_comms
-        self.requires_all_reduce = True  # FSDP2's: False skips HSDP's (the note below)
-        self.all_reduce_hook: tuple[Callable, Any] | None = None  # FSDP2's: (hook, stream)
-        self.reduce_unused = False  # FSDP2's set_reduce_scatter_unused_params
-        self.max_in_flight = 1  # FSDP2's set_reduce_scatter_max_input_buffers (reductions.py)
         self.partial: torch.Tensor | None = None  # HSDP: reduced, not yet over the replicas
         self._partial_used: list | None = None  # which parameters got a gradient meanwhile
         self.unsynced: torch.Tensor | None = None  # no_sync micro-batches, in reduce_dtype
@@ -159,7 +157,7 @@ class Gradient:
         grad = grad.to(self.reduce_dtype)  # FSDP2's reduce_dtype: upcast before reducing
         grad = self.local.layout.to_wire(grad)  # (rows: rank-major, a copy; others: as it is)
         d = divide_factors(grad.dtype, self.mesh.world_size, self.mesh.replicas,
-                           self.divide_factor, self.force_sum)
+                           self.controls.divide_factor, self.controls.force_sum)
         if d.premul is not None:
             grad.mul_(d.premul)  # a divide factor of the user's: sum(g * 1/factor)
         if d.pre is not None:
@@ -195,8 +193,8 @@ class Gradient:
             shard += self.partial
             self.partial = None
         self.mesh.reduce_replicas(shard, d.replicas_op, self.config.comm, self.name, ctx)  # HSDP
-        if self.all_reduce_hook is not None:
-            self._run_all_reduce_hook(*self.all_reduce_hook, shard, ctx)
+        if self.controls.all_reduce_hook is not None:
+            self._run_all_reduce_hook(*self.controls.all_reduce_hook, shard, ctx)
         if d.post is not None and d.post != 1:
             shard.div_(d.post)
         if self.reduced is None:
@@ -213,7 +211,7 @@ class Gradient:
     # On a 1-D mesh there are no replicas: the setting changes nothing, as in FSDP2.
 
     def _skips_replicas(self) -> bool:
-        return not self.requires_all_reduce and getattr(self.mesh, "replicate_group",
+        return not self.controls.requires_all_reduce and getattr(self.mesh, "replicate_group",
                                                         None) is not None
 
     def _run_all_reduce_hook(self, hook, stream, shard: torch.Tensor, ctx) -> None:
@@ -230,7 +228,7 @@ class Gradient:
         backward reduce-scatters zeros, so that every rank reduces alike and every parameter
         gets a gradient (zeros where no rank used it)."""
         reduced = self.has_unsynced() or self.reduction is not None or self.reduced is not None
-        if self.reduce_unused and self.leaf.requires_grad and not reduced:
+        if self.controls.reduce_unused and self.leaf.requires_grad and not reduced:
             self.leaf.grad = torch.zeros(self.leaf.shape, dtype=self.leaf.dtype,
                                          device=self.leaf.device)
 
@@ -249,7 +247,7 @@ class Gradient:
             return
         shard = shard.to(self.master.dtype)
         for i, sp in enumerate(self.sharded_params):
-            if not used[i] and not (self.reduce_unused and sp.sharded.requires_grad):
+            if not used[i] and not (self.controls.reduce_unused and sp.sharded.requires_grad):
                 continue  # unused everywhere: grad stays None, as in DDP
             # (None: this rank holds none of it, layout "whole"; its hooks still run, as an
             # optimizer's step runs on every rank: torchtune's step in a hook marks the unit)

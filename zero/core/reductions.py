@@ -81,7 +81,7 @@ class Reductions:
         """Reductions in flight: the root's ``reduce_scatter_depth``, or the most any unit
         was set to (FSDP2 resolves its per-module settings to one per root the same way)."""
         given = self.root.given.get("reduce_scatter_depth") or 1
-        return max([given, *(u.grads.max_in_flight for u in self.units)])
+        return max([given, *(u.controls.max_in_flight for u in self.units)])
 
     def finish(self, synced: list) -> None:
         """The end of backward: every gradient not yet reduced, in the units' order, which

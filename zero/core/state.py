@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -94,3 +94,10 @@ class Controls:
     forward_prefetch: list | None = None  # explicit lists; None: the schedule's own order
     backward_prefetch: list | None = None
     broadcast_buffers: bool = False  # the root: rank 0's buffers before each forward
+    # FSDP2's six gradient settings (read by the unit's ``Gradient``, zero/core/grads.py)
+    divide_factor: float | None = None  # set_gradient_divide_factor
+    force_sum: bool = False  # set_force_sum_reduction_for_comms
+    requires_all_reduce: bool = True  # False skips HSDP's all-reduce (grads.py's note)
+    all_reduce_hook: tuple[Callable, Any] | None = None  # set_all_reduce_hook: (hook, stream)
+    reduce_unused: bool = False  # set_reduce_scatter_unused_params
+    max_in_flight: int = 1  # set_reduce_scatter_max_input_buffers (zero/core/reductions.py)

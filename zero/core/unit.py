@@ -131,7 +131,7 @@ class Unit:
             for i, p in enumerate(params)]
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
         self.grads = Gradient(self.unsharded, self.sharded_params, self.local, self.sharded,
-                              config, mesh, self.name)
+                              config, mesh, self.name, controls)
         self.sharded_state = ShardedState.UNSHARDED
         self._gathering: AllGather | None = None  # GATHERING: the all-gather in flight
         self._post_forward_shard: torch.Tensor | None = None  # SHARDED_POST_FORWARD (hpZ)

@@ -113,21 +113,21 @@ class ZeroFSDPModule(FSDPModule):
         """``no_sync`` without a context; under HSDP it governs the all-reduce too (FSDP2's)."""
         controls.set_requires_gradient_sync(self._module, requires_gradient_sync, recurse=recurse)
         for unit in self._units(recurse):
-            unit.grads.requires_all_reduce = requires_gradient_sync
+            unit.controls.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters within the shard group but sums the micro-batches
         without the all-reduce over the replicas, until a backward with it (``zero/core/
         grads.py``'s note on partial reductions). On a 1-D mesh there is none: no change."""
         for unit in self._units(recurse):
-            unit.grads.requires_all_reduce = requires_all_reduce
+            unit.controls.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce with a sum and divide by ``factor`` (FSDP2's arithmetic, ``divide_factors``):
         1.0 for code that divides its loss itself (torchtitan divides by the global token
         count)."""
         for unit in self._units():
-            unit.grads.divide_factor = factor
+            unit.controls.divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of ``set_gradient_divide_factor``."""
@@ -136,7 +136,7 @@ class ZeroFSDPModule(FSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only sums on the wire; the division after (FSDP2's, for backends without AVG)."""
         for unit in self._units():
-            unit.grads.force_sum = enable
+            unit.controls.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -144,7 +144,7 @@ class ZeroFSDPModule(FSDPModule):
         rank used it), as FSDP2 then does. zero reduces whole units, unused pieces included,
         either way, so ranks that use different experts never disagree."""
         for unit in self._units(recurse):
-            unit.grads.reduce_unused = reduce_scatter_unused_params
+            unit.controls.reduce_unused = reduce_scatter_unused_params
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream=None) -> None:
@@ -155,7 +155,7 @@ class ZeroFSDPModule(FSDPModule):
             if stream is not None and getattr(unit.mesh, "replicate_group", None) is not None:
                 raise ValueError("set_all_reduce_hook(stream=...) with HSDP: the hook runs "
                                  "after HSDP's all-reduce, on its stream; drop stream=")
-            unit.grads.all_reduce_hook = (hook, stream)
+            unit.controls.all_reduce_hook = (hook, stream)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: another backward follows in the same forward order (1F1B pipelining), so
@@ -225,7 +225,7 @@ class ZeroFSDPModule(FSDPModule):
                     "set_allocate_memory_from_process_group_for_comm(True)")
             policy = unit.config.comm
             policy.all_gather_comm = SymmMemAllGather(group, backend)
-            if unit.grads.force_sum:
+            if unit.controls.force_sum:
                 policy.reduce_scatter_comm = SymmMemReduceScatter(group, backend)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
@@ -254,7 +254,7 @@ class ZeroFSDPModule(FSDPModule):
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for unit in self._units(recurse):
-            unit.grads.max_in_flight = max_input_buffers
+            unit.controls.max_in_flight = max_input_buffers
 
     # ---- what torch's functions read, and what would detach the parameters ------------------
 
