@@ -11,9 +11,12 @@ import compare_stages  # noqa: E402
 
 
 # Small, but with blocks that outweigh the root (the tied embedding): the stages differ in
-# what they keep of every unit but the one in flight, so with one big root and two tiny
-# blocks stage 2 would hold no less than stage 1.
-LAYERS, DIM = 3, 64
+# what they keep of every unit but the ones in flight, so with one big root and two tiny
+# blocks stage 2 would hold no less than stage 1. And four of them: at its worst instant
+# stage 3 holds the root and two blocks gathered (one computing, one prefetched) beside two
+# full gradients (one forming, one being reduced, as FSDP2 does), which with three blocks
+# is as much as stage 2 holds (zerolab.memory.schedule: 1872544 B against 1857952).
+LAYERS, DIM = 4, 64
 
 
 @pytest.fixture(scope="module")
