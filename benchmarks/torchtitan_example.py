@@ -275,12 +275,13 @@ def zero_at(stage: int):
 class ReduceScatters:
     """Counts reduce-scatters while active, by caller: FSDP2 calls ``torch.distributed``'s
     (``reduce_scatter_single``, ``reduce_scatter_tensor``), zero its one seam
-    (``zero.comm.backend.TorchBackend.reduce_scatter``, which holds its own reference to
-    torch's)."""
+    (``zero.comm.backend.TorchBackend.reduce_scatter``, which calls torch's in turn: a call
+    inside zero's counts as zero's only)."""
 
     def __init__(self):
         from zero.comm.backend import TorchBackend
         self.count = {"torch": 0, "zero": 0}
+        self.inside = 0  # zero's calls under way
         self.sites = [("torch", dist, n) for n in ("reduce_scatter_single",
                                                    "reduce_scatter_tensor")
                       if hasattr(dist, n)] + [("zero", TorchBackend, "reduce_scatter")]
@@ -291,8 +292,13 @@ class ReduceScatters:
 
         def counted(who, f):
             def call(*args, **kwargs):
-                self.count[who] += 1
-                return f(*args, **kwargs)
+                if who == "zero" or not self.inside:
+                    self.count[who] += 1
+                self.inside += who == "zero"
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    self.inside -= who == "zero"
             return call
         for who, owner, name, f in saved:
             setattr(owner, name, counted(who, f))

@@ -155,8 +155,10 @@ def _hidden_output(rank, n):
 
 
 def test_backward_through_a_freed_unit_raises_instead_of_reading_freed_memory():
+    # (blocks.1 is gathered all the same: the root's backward prefetches it, in FSDP2's
+    # order, and the guard waits for that gather before backward reads it; blocks.0 is not)
     for error in run_ranks(_hidden_output, 2):
-        assert error is not None and "blocks.1" in error and "was freed" in error, error
+        assert error is not None and "blocks.0" in error and "was freed" in error, error
         assert "reshard_after_forward=False" in error, error
 
 
