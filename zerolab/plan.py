@@ -587,6 +587,10 @@ def plan(args) -> tuple[dict, list[dict]]:
         rows.append(r)
         if args.verbose:
             print(f"{kind}: simulated in {r['simulated_s']:.1f} s", file=sys.stderr, flush=True)
+    if not rows:
+        raise PlanError("every system asked for was left out: " + "; ".join(
+            w for w in info["warnings"] if " left out: " in w) + ". Ask for another system, "
+            "or for a world size of 2 or more full nodes")
     rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"]))
     return info, rows
 
@@ -742,7 +746,8 @@ def run(args, parser: argparse.ArgumentParser) -> None:
     if bad:
         parser.error(f"--systems: unknown {bad}; choose from {SYSTEMS + FAMILY}")
     for name, v in (("--world-size", args.world_size), ("--batch", args.batch),
-                    ("--seq", args.seq), ("--gpus-per-node", args.gpus_per_node or 1)):
+                    ("--seq", args.seq),
+                    ("--gpus-per-node", 1 if args.gpus_per_node is None else args.gpus_per_node)):
         if v < 1:
             parser.error(f"{name} must be >= 1, got {v}")
     for name, v in (("--efficiency", args.efficiency), ("--memory-gb", args.memory_gb),

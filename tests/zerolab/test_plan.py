@@ -163,6 +163,21 @@ def test_bounds_are_refused_naming_the_fix(capsys):
     assert "--seq 16 or less" in err
 
 
+def test_options_that_leave_nothing_to_plan_are_refused_naming_the_fix(capsys):
+    """--gpus-per-node 0 divided by zero; systems that all need more nodes than asked left
+    an empty table, and the table's first row was read anyway (IndexError)."""
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit) as e:  # (argparse's own error: the usage, then the line)
+            main(["plan", "--world-size", "4", "--seq", "16", "--model", f"{HERE}:deep",
+                  "--gpus-per-node", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err
+        assert err.splitlines()[-1].endswith(f"--gpus-per-node must be >= 1, got {bad}")
+    err = error_of(capsys, "--model", f"{HERE}:deep", "--systems", "zero3-hsdp,zero3-qgz")
+    assert "every system asked for was left out" in err and "zero3-qgz left out" in err
+    assert "2 or more full nodes" in err
+
+
 def test_a_config_without_transformers_says_to_install_it(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
