@@ -196,9 +196,7 @@ class Root:
             self.order.begin()
         self.order.this_iteration.append(unit)
         for nxt in self._prefetches(unit, "forward"):
-            if nxt.config.stage.frees_parameters:
-                with label(f"forward_prefetch for {nxt.name}"):
-                    nxt.unshard(phase="forward", async_op=True)
+            nxt.prefetch("forward")
 
     def forward_ended(self, unit) -> None:
         """``unit``'s forward is over (a backward will follow)."""
@@ -209,9 +207,7 @@ class Root:
         says. The reduction in flight runs on under this backward: the next unit's
         post-backward ends it (``zero/core/reductions.py``), as FSDP2's does."""
         for prev in self._prefetches(unit, "backward"):
-            if prev.config.stage.frees_parameters and prev.controls.unshard_in_backward:
-                with label(f"backward_prefetch for {prev.name}"):
-                    prev.unshard(phase="backward", async_op=True)
+            prev.prefetch("backward")
 
     def _prefetches(self, unit, phase: str) -> list:
         """The units to gather ahead while ``unit`` computes ``phase``: the user's explicit

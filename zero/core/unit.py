@@ -310,6 +310,16 @@ class Unit:
         if not async_op:
             self.wait_unshard()
 
+    def prefetch(self, phase: str) -> None:
+        """Start gathering ahead of need (the root asks, as its schedule or the user's lists
+        say): only a unit that frees its parameters has anything to gather, and in backward
+        only one whose backward reads them (FSDP2's ``_prefetch_unshard``)."""
+        if not self.config.stage.frees_parameters or (
+                phase == "backward" and not self.controls.unshard_in_backward):
+            return
+        with label(f"{phase}_prefetch for {self.name}"):
+            self.unshard(phase=phase, async_op=True)
+
     def wait_unshard(self) -> None:
         """The gather in flight has ended: the computing stream waits for its streams' work
         (the collective itself by ``wait()``), and what it read and wrote may go."""
