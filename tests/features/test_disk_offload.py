@@ -240,13 +240,18 @@ def test_a_unit_first_stepped_later_keeps_its_state(optimizer, tmp_path):
         assert all(torch.equal(m[k], d[k]) for k in m)
 
 
-def _fails_then_retries(rank, n, directory):
+def _branch_on_disk(rank, directory):
+    """A _Branch sharded unit by unit with its optimizer state in files, its optimizer, a batch."""
     torch.manual_seed(0)
     model = _Branch()
     for m in (model.a, model.b, model):
         zero.shard(m, stage=3, offload_policy=zero.DiskOffload(os.path.join(directory, f"r{rank}")))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    return model, opt, torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+
+def _fails_then_retries(rank, n, directory):
+    model, opt, x = _branch_on_disk(rank, directory)
     for _ in range(2):
         model(x, True).square().mean().backward()
         opt.step()
@@ -402,12 +407,7 @@ def _interrupted_then_saved(rank, n, directory, ckpt):
     """Ctrl-C in the middle of opt.step() (between two units), then an emergency save."""
     import torch.optim.adam as adam
 
-    torch.manual_seed(0)
-    model = _Branch()
-    for m in (model.a, model.b, model):
-        zero.shard(m, stage=3, offload_policy=zero.DiskOffload(os.path.join(directory, f"r{rank}")))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model, opt, x = _branch_on_disk(rank, directory)
     model(x, True).square().mean().backward()
     opt.step()
     model(x, True).square().mean().backward()

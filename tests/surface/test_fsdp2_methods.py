@@ -353,15 +353,9 @@ class AllReduceScatter(ReduceScatter):
         return None
 
 
-class CopyingReduceScatter(ReduceScatter):
+class CopyingReduceScatter(AllReduceScatter):
     """Written for FSDP2, which calls it without ``async_op``: passes it through, and copies
     its slice out of a buffer of its own at once (wrong if the collective is still running)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
