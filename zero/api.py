@@ -173,7 +173,8 @@ class Layout(Protocol):
 class CommPolicy(Protocol):
     """How a unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``). Each
     method starts its collective through ``ctx`` and returns a handle whose ``wait()`` leaves
-    the output filled; it may send other dtypes and shapes (ZeRO++'s quantized ones do)."""
+    the output filled (or None: the output is filled already, as after a blocking call); it
+    may send other dtypes and shapes (ZeRO++'s quantized ones do)."""
 
     in_place_ok: bool  # the shard may be this rank's slot of the full buffer (stages 1/2)
 

@@ -453,6 +453,43 @@ def test_a_policy_with_pythons_default_repr_is_described_by_its_fields():
         assert "block=128" in message and " at 0x" not in message, message
 
 
+class _BlockingCollectives:
+    """A comm policy whose collectives have finished when they return, and return None."""
+
+    in_place_ok = True
+
+    def __init__(self):
+        from zero.comm.flat_collectives import FlatCollectives
+        self.inner = FlatCollectives()
+
+    def __repr__(self):
+        return "_BlockingCollectives()"
+
+    def all_gather(self, *args, **kwargs):
+        self.inner.all_gather(*args, **kwargs).wait()
+
+    def reduce_scatter(self, *args, **kwargs):
+        self.inner.reduce_scatter(*args, **kwargs).wait()
+
+    def all_reduce(self, *args, **kwargs):
+        return self.inner.all_reduce(*args, **kwargs)
+
+
+def _blocking_policy(rank, n, layout, blocking):
+    model, opt = _gpt(3, layers=2, layout=layout,
+                      comm_policy=_BlockingCollectives() if blocking else None)
+    for s in range(2):
+        _step(model, opt, rank, s)
+    return zero.full_state_dict(model)
+
+
+@pytest.mark.parametrize("layout", ["flat", "rows"])
+def test_a_comm_policy_whose_collectives_return_none_trains_like_the_default(layout):
+    for ours, default in zip(run_ranks(_blocking_policy, 2, layout, True),
+                             run_ranks(_blocking_policy, 2, layout, False)):
+        assert all(torch.equal(ours[k], default[k]) for k in default)
+
+
 def _apart(rank, n):
     policy = _PlainCollectives(64)
     policy.in_place_ok = False  # (it needs the shard apart from the full buffer)

@@ -262,6 +262,13 @@ class CommContext:
             self._names.setdefault(key, name)
 
 
+def finish(work) -> None:
+    """End a collective through its handle; None is one that had finished when it returned
+    (a blocking call: FSDP2's comm objects and a comm policy may answer so)."""
+    if work is not None:
+        work.wait()
+
+
 def label(what: str, unit: str = "") -> record_function:
     """A profiler range named as FSDP2's are (the module's note on labels)."""
     return record_function(f"zero::{what} ({unit})" if unit else f"zero::{what}")

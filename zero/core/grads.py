@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from zero.comm.context import finish
 from zero.core.flat import LocalShard
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ class Gradient:
             return
         work, grad, d, keep, event = self.reduction
         ctx.streams(grad.device).wait(event)
-        work.wait()
+        finish(work)
         self.reduction = None  # (the computing stream has waited: its buffers may go)
         # Our slot, where the optimizer steps: kept as a view of the full gradient (stage 1),
         # or a copy that frees the full one, on the host under CPU offload (device -> host).
@@ -292,7 +293,7 @@ class Gradient:
     def discard(self) -> None:
         """Forget every gradient not yet handed out (a failed iteration)."""
         if self.reduction is not None:
-            self.reduction.work.wait()  # every rank issued it: let it finish everywhere
+            finish(self.reduction.work)  # every rank issued it: let it finish everywhere
             # (the computing stream waits on the collective: the buffers may go)
         self.leaf.grad = None
         self.unsynced = self.reduction = self.reduced = self.partial = None

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from zero.api import Layout, Piece, ShardInfo, Work
+from zero.comm.context import finish
 from zero.core.flat import LocalShard
 from zero.core.placement import Placement
 
@@ -165,6 +166,6 @@ class CopiedOut:
         self.work, self.layout, self.wire, self.compute = work, layout, wire, compute
 
     def wait(self):
-        self.work.wait()
+        finish(self.work)
         self.layout.from_wire(self.wire, into=self.compute)
         del self.wire  # (the gathered buffer goes, once copied out)

@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from zero import api
-from zero.comm.context import label
+from zero.comm.context import finish, label
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import adoption, guards, registry
 from zero.core.config import MeshInfo, UnitConfig
@@ -328,7 +328,7 @@ class Unit:
             assert gathering is not None  # (GATHERING: a gather is in flight)
             with label("all_gather_copy_out", self.name):  # (FSDP2's name: wait, copy out)
                 self.root.context.streams(self.unsharded.device).wait(gathering.event)
-                gathering.work.wait()
+                finish(gathering.work)
             self.sharded_state = ShardedState.UNSHARDED
 
     def shard_written(self) -> bool:
