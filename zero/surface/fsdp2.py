@@ -71,18 +71,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         ``module``, its class now ``FSDP<Class>`` (an ``FSDPModule``).
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    secondary_group = None
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        if stage != 3:
-            not_freed(f"fully_shard(stage={stage}, reshard_after_forward="
-                      f"{reshard_after_forward})")
-            reshard_after_forward = None
-        else:
-            reshard_after_forward, secondary_group = _post_forward_group(
-                reshard_after_forward, mesh)
-    elif reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError("reshard_after_forward should be a bool or an int representing the "
-                         f"group size to reshard to, not {reshard_after_forward!r}")
+    reshard_after_forward, secondary_group = _reshard_after_forward(reshard_after_forward,
+                                                                    stage, mesh)
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             "fully_shard(dp_mesh_dims=...) (parameters as DTensors on a larger SPMD mesh) is "
@@ -91,19 +81,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     if stage != 3 and reshard_after_forward:
         not_freed(f"fully_shard(stage={stage}, reshard_after_forward=True)")
     if layout != "rows":
-        # FSDP2's clients (accelerate, the HF Trainer, Lightning, torchtune) clip with torch's
-        # clip_grad_norm_, which computes a norm of what it is given: with rows that is
-        # DTensors, whose norm is global; with the other layouts it is this rank's share, and
-        # each rank would clip by its own factor, silently.
-        # Lightning's ModelParallelStrategy also decides whether a model can be saved by
-        # looking for DTensor parameters, before it calls anything of zero's.
-        warnings.warn(
-            f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
-            "clips each rank by the norm of its own share of the gradients (each rank a "
-            "different factor): clip with zero.clip_grad_norm_(model, max_norm); and clients "
-            "that look for DTensor parameters (Lightning's ModelParallelStrategy: its "
-            "checkpoints and its meta-device init) do not find them. Keep layout='rows', "
-            "FSDP2's, whose DTensor parameters and gradients they read whole", stacklevel=2)
+        _warn_layout(layout)
     if mp_policy is not None:
         mp_policy = MixedPrecision.from_torch(mp_policy)
         if mp_policy == MixedPrecision():
@@ -122,6 +100,35 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         cls = type(m)
         m.__class__ = _fsdp_class(cls)
     return module
+
+
+def _reshard_after_forward(value, stage: int, mesh) -> tuple[bool | None, object]:
+    """FSDP2's ``reshard_after_forward`` as zero's: (bool or None, hpZ's group or None)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if stage != 3:
+            not_freed(f"fully_shard(stage={stage}, reshard_after_forward={value})")
+            return None, None
+        return _post_forward_group(value, mesh)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError("reshard_after_forward should be a bool or an int representing the "
+                         f"group size to reshard to, not {value!r}")
+    return value, None
+
+
+def _warn_layout(layout: str) -> None:
+    """Another layout than FSDP2's: what its clients then miss. They (accelerate, the HF
+    Trainer, Lightning, torchtune) clip with torch's clip_grad_norm_, which computes a norm of
+    what it is given: with rows that is DTensors, whose norm is global; with the other layouts
+    it is this rank's share, and each rank would clip by its own factor, silently. Lightning's
+    ModelParallelStrategy also decides whether a model can be saved by looking for DTensor
+    parameters, before it calls anything of zero's."""
+    warnings.warn(
+        f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
+        "clips each rank by the norm of its own share of the gradients (each rank a "
+        "different factor): clip with zero.clip_grad_norm_(model, max_norm); and clients "
+        "that look for DTensor parameters (Lightning's ModelParallelStrategy: its "
+        "checkpoints and its meta-device init) do not find them. Keep layout='rows', "
+        "FSDP2's, whose DTensor parameters and gradients they read whole", stacklevel=3)
 
 
 def _fsdp_class(cls: type) -> type:

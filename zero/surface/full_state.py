@@ -75,14 +75,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     """
     units = units_of(model)
     placement.refuse(units, "zero.load_full_state_dict", TP_FIX)
-    on_meta = [n for n, t in [*model.named_buffers(), *model.named_parameters()]
-               if t.is_meta and not is_piece(t)]  # (the units' shards are real already)
-    if on_meta:
-        raise RuntimeError(
-            f"zero.load_full_state_dict: {', '.join(on_meta[:3])}"
-            f"{f' and {len(on_meta) - 3} more' if len(on_meta) > 3 else ''} on the meta device "
-            "(the model was built there), which no unit shards: call "
-            "model.to_empty(device=...) first, as with FSDP2, then load")
+    _refuse_meta(model)
     group, ctx = units[0].mesh.all_group, units[0].root.context
     adoption.adopt_agreed(units, f"load a full state dict (broadcast_from_rank0="
                                  f"{broadcast_from_rank0})",
@@ -118,7 +111,24 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         same_model.take_rank0_values([model], outside, group, ctx)  # and the buffers
         keys = comm.all_gather_object(result and tuple(result), group=group, ctx=ctx)[0]
         result = _IncompatibleKeys(*keys)
-    loaded = result is None or not result.missing_keys
+    _write_shards(fulls, loaded=result is None or not result.missing_keys)
+    return result
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """What no unit shards and is still on the meta device cannot take values: name it."""
+    on_meta = [n for n, t in [*model.named_buffers(), *model.named_parameters()]
+               if t.is_meta and not is_piece(t)]  # (the units' shards are real already)
+    if on_meta:
+        raise RuntimeError(
+            f"zero.load_full_state_dict: {', '.join(on_meta[:3])}"
+            f"{f' and {len(on_meta) - 3} more' if len(on_meta) > 3 else ''} on the meta device "
+            "(the model was built there), which no unit shards: call "
+            "model.to_empty(device=...) first, as with FSDP2, then load")
+
+
+def _write_shards(fulls: dict, loaded: bool) -> None:
+    """Each unit's slice of its loaded full buffer into its shard."""
     for unit, flat in fulls.items():
         unit.wait_unshard()  # a stage 1/2 gather may still read the shard
         with torch.no_grad():
@@ -127,4 +137,3 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         if not unit.materialized and loaded:  # sharded on meta (fully_shard): now it has
             unit.params_on_shard()  # values, and its parameters show them (FSDP2's
             unit.materialized = True  # set_model_state_dict gives a meta model its values)
-    return result
