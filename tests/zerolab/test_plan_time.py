@@ -100,10 +100,11 @@ def test_each_effect_is_its_sources_size_and_can_be_left_out():
 def test_explain_adds_up_to_the_step(tmp_path, capsys):
     import json
 
+    import test_plan  # (this folder's: pytest puts it on sys.path, as plain `pytest` runs it)
     from zerolab.__main__ import main
 
     out = tmp_path / "p.json"
-    main(["plan", "--model", "tests.zerolab.test_plan:deep", "--world-size", "16", "--seq", "16",
+    main(["plan", "--model", f"{test_plan.HERE}:deep", "--world-size", "16", "--seq", "16",
           "--batch", "2", "--systems", "ddp,fsdp2", "--explain", "--json", str(out)])
     text = capsys.readouterr().out
     assert "The step by cause" in text and "| ddp |" in text.split("The step by cause")[1]
