@@ -65,9 +65,14 @@ def measure(rank: int, n: int, kind: str, args, time_only: bool = False) -> dict
     is recorded for the emulated cluster (zerolab/emulate.py): each timed step's log."""
     if not getattr(args, "network", None):
         return _measure(rank, n, kind, args, time_only, None)
+    from zerolab.clusters import PRESETS
     from zerolab.emulate import Recorder
 
-    with Recorder(args.clock) as recorder:  # (the system is built inside: its streams are emulated)
+    # (the system is built inside: its streams are emulated); every operator is also priced on
+    # the first network's GPU by the roofline, for the roofline's clock
+    device = PRESETS[args.network[0].partition(":")[0]].device
+    clock = "kernels" if args.clock == "roofline" else args.clock
+    with Recorder(clock, device=device) as recorder:
         return _measure(rank, n, kind, args, time_only, recorder)
 
 
@@ -302,10 +307,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "collectives priced on a zerolab.clusters preset's links, dilated to this "
                         "CPU's compute, with a GPU's stream semantics; NAME fills a node, "
                         "NAME:2-nodes spreads the ranks over two (e.g. dgx-h100,dgx-h100:2-nodes)")
-    p.add_argument("--clock", default="kernels", choices=("kernels", "process"),
+    p.add_argument("--clock", default="kernels", choices=("kernels", "process", "roofline"),
                    help="with --network: what counts as compute, the CPU time inside aten "
-                        "operators (kernels: a GPU's stream, the host's Python left out) or all "
-                        "of the process's CPU time (process)")
+                        "operators (kernels: a GPU's stream, the host's Python left out), all "
+                        "of the process's CPU time (process), each operator dilated alike; or "
+                        "each operator priced on the GPU by the plan's roofline (roofline: no "
+                        "dilation, the same figures every run)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="timing rounds, systems interleaved round by round (default 1; 3 with "
                         "--network); the first also measures memory and bytes")
@@ -549,17 +556,25 @@ def emulated(rows: list[dict], args) -> None:
 
     model = make_model(args)
     threads = max(1, (os.cpu_count() or 1) // args.world_size)  # as zerolab/launch.py's ranks
-    cpu = emulate.cpu_step_seconds(model, args.batch, threads, clock=args.clock)
-    args.emulation = {"cpu_step_s": cpu, "networks": {}}
+    roofline = args.clock == "roofline"
+    cpu = emulate.cpu_step_seconds(model, args.batch, threads,
+                                   clock="kernels" if roofline else args.clock)
+    args.emulation = {"cpu_step_s": cpu, "networks": {}, "clock": args.clock}
     for spec in args.network:
         preset = PRESETS[spec.partition(":")[0]]
         gpu = emulate.gpu_step_seconds(model, args.batch, preset.device, args.mixed_precision)
-        net = emulate.network(spec, args.world_size, dilation=cpu / gpu)
-        args.emulation["networks"][spec] = {"gpu_step_s": gpu, "dilation": cpu / gpu,
-                                            "cluster": net.cluster.name, "network": net}
+        dilation = 1.0 if roofline else cpu / gpu
+        net = emulate.network(spec, args.world_size, dilation=dilation)
+        args.emulation["networks"][spec] = {"gpu_step_s": gpu, "dilation": dilation,
+                                            "cpu_gpu": cpu / gpu, "cluster": net.cluster.name,
+                                            "network": net}
+        gpu_net = emulate.network(spec, args.world_size)  # (the roofline's clock: undilated)
         for row in rows:
             row.setdefault("emulated", {})[spec] = [
-                emulate.summarize(rnd["logs"], net) for rnd in row["rounds"]]
+                emulate.summarize(rnd["logs"], gpu_net if roofline else net,
+                                  "roofline" if roofline else "cpu") for rnd in row["rounds"]]
+            row.setdefault("emulated_roofline", {})[spec] = [
+                emulate.summarize(rnd["logs"], gpu_net, "roofline") for rnd in row["rounds"]]
     runs: dict = {}  # the plan's simulations, one a system, played on each network
     for spec, info in args.emulation["networks"].items():
         info["plan"] = plan_exposed(args, spec, info["network"], runs)

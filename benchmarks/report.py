@@ -387,16 +387,23 @@ def emulated_tables(rows, args) -> list[str]:
     out = []
     ms = lambda x: f"{1e3 * x:.2f}"  # noqa: E731
     steps = f"{args.steps} steps x {args.rounds} round{'s' if args.rounds > 1 else ''}"
+    clock = emu.get("clock", "kernels")
     for spec, info in emu["networks"].items():
         d = info["dilation"]
+        what = {"kernels": "the CPU time inside aten operators (the host's Python left out)",
+                "process": "all of the process's CPU time"}.get(clock)
+        how = (f"Dilation {d:.1f}: this CPU's compute for one step, {ms(emu['cpu_step_s'])} ms "
+               f"(forward, backward and AdamW on one rank's batch; {what}), over the GPU's, "
+               f"{ms(info['gpu_step_s'])} ms (zerolab/roofline.py, the plan's, on its GPU). "
+               f"Every collective lasts what zerolab/cost.py prices it at on these links, times "
+               f"the dilation; compute is this CPU's, measured: {what} (zerolab/emulate.py). "
+               f"Emulated ms are the CPU's scale (a GPU's: divide by {d:.1f})." if what else
+               f"Compute: each operator priced on the GPU by the plan's roofline "
+               f"(zerolab/roofline.py; {ms(info['gpu_step_s'])} ms a plain step), collectives "
+               f"by zerolab/cost.py on these links; no dilation, emulated ms are a GPU's "
+               f"(this CPU's kernels took {info['cpu_gpu']:.1f} x as long).")
         out += ["", f"## Emulated GPU cluster: {spec}", "",
-                f"{info['cluster']}. Dilation {d:.1f}: this CPU's compute for one step, "
-                f"{ms(emu['cpu_step_s'])} ms (forward, backward and AdamW on one rank's batch, "
-                f"process CPU time, measured), over the GPU's, {ms(info['gpu_step_s'])} ms "
-                f"(zerolab/roofline.py, the plan's, on its GPU). Every collective lasts what "
-                f"zerolab/cost.py prices it at on these links, times the dilation; compute is this "
-                f"CPU's, measured (zerolab/emulate.py). Emulated ms are the CPU's scale (a GPU's: "
-                f"divide by {d:.1f}). Each figure the median of {steps}, and [min-max] over the "
+                f"{info['cluster']}. {how} Each figure the median of {steps}, and [min-max] over the "
                 f"rounds. Exposed: time the computing stream waited for a collective of that "
                 f"kind; overlap: 1 - exposed / the collectives' summed durations. Not emulated: "
                 f"compute slowed by NCCL sharing the SMs and memory bandwidth, launch overhead, "
@@ -417,6 +424,8 @@ def emulated_tables(rows, args) -> list[str]:
                 + f" | {med('exposed_s')} | {med('comm_s')} | "
                 f"{_spread([x['overlap'] for x in rounds], lambda v: f'{100 * v:.0f}%')} |")
         out += ["", *emulated_targets(rows, spec), "", ranking(rows, spec)]
+        if clock != "roofline" and all(r.get("emulated_roofline") for r in rows):
+            out += ["", *roofline_clock(rows, spec)]
         if info.get("plan"):
             out += ["", *plan_beside(rows, spec, info)]
     return out
@@ -440,6 +449,21 @@ def emulated_targets(rows, spec) -> list[str]:
                                                                           by["ddp"])]
                 out.append(f"| {r['kind']} step time / DDP's | "
                            f"{_spread(ratios, lambda v: f'{v:.3f}')} | - | - |")
+    return out
+
+
+def roofline_clock(rows, spec) -> list[str]:
+    """The same logs played with every operator priced by the roofline (no dilation)."""
+    us = lambda x: f"{1e6 * x:.1f}"  # noqa: E731
+    out = ["The same steps on the roofline's clock (each operator priced on the GPU by "
+           "zerolab/roofline.py, as the plan prices it; no dilation; GPU microseconds):", "",
+           "| system | step us | compute us | exposed us | overlap |", "|---|---|---|---|---|"]
+    for r in rows:
+        rounds = r["emulated_roofline"][spec]
+        out.append(f"| {r['kind']} | {_spread([x['step_s'] for x in rounds], us)} | "
+                   f"{_spread([x['compute_s'] for x in rounds], us)} | "
+                   f"{_spread([x['exposed_s'] for x in rounds], us)} | "
+                   f"{_spread([x['overlap'] for x in rounds], lambda v: f'{100 * v:.0f}%')} |")
     return out
 
 
@@ -523,17 +547,25 @@ def write_targets(sections, args, argv) -> str:
             f"- systems interleaved round by round, {args.rounds} rounds; AdamW, fp32; batch "
             f"{args.batch} x seq {args.seq} per rank",
             "- every figure is emulated (zerolab/emulate.py): compute is this CPU's, measured "
-            "as process CPU time; each collective lasts what zerolab/cost.py prices it at on the "
-            "preset's links, times the dilation factor (this CPU's compute for a step / the "
-            "GPU's by the plan's roofline), and the streams behave as a GPU's. Not emulated: "
-            "compute slowed by NCCL sharing the SMs and memory bandwidth, kernel launch "
-            "overhead, and the host's own time (notes/10-overlap.md)."]
+            "as the CPU time inside aten operators (--clock kernels); each collective lasts "
+            "what zerolab/cost.py prices it at on the preset's links, times the dilation factor "
+            "(this CPU's compute for a step / the GPU's by the plan's roofline), and the "
+            "streams behave as a GPU's. The roofline clock plays the same logs with every "
+            "operator priced on the GPU by the roofline instead (no dilation). Not emulated: "
+            "compute slowed by NCCL sharing the SMs and memory bandwidth, and the host's own "
+            "time, taken to run ahead of the GPU (notes/10-overlap.md)."]
     summary = ["", "## Every target", "",
                "| model | ranks | network | dilation | target | median [min-max] over rounds "
-               "| holds (median) | holds every round |", "|---|---|---|---|---|---|---|---|"]
+               "| holds (median) | holds every round | roofline clock | holds |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
     plan_rows = ["", "## The plan beside the emulation (exposed communication, GPU us)", "",
+                 "The plan: zerolab/steptime.py on the same model, ranks, batch and links, "
+                 "without its \"contention\" effect, which the emulation does not have. "
+                 "Emulated: the kernels clock's exposed time over the dilation, and the roofline "
+                 "clock's (each operator priced as the plan prices it).", "",
                  "| model | ranks | network | system | plan | emulated | plan / emulated "
-                 "| within 20% |", "|---|---|---|---|---|---|---|---|"]
+                 "| within 20% | emulated, roofline clock | plan / it | within 20% |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
     body = []
     for a, rows in sections:
         label = f"GPT {a.layers} x {a.dim}, Ψ = {rows[0]['psi']:,}"
@@ -546,11 +578,16 @@ def write_targets(sections, args, argv) -> str:
                 if x in by and y in by:
                     ratios = [_ratio(p[key], q[key]) for p, q in zip(by[x], by[y])]
                     med = sorted(ratios)[(len(ratios) - 1) // 2]
+                    roof = {r["kind"]: r.get("emulated_roofline", {}).get(spec) for r in rows}
+                    rr = [_ratio(p[key], q[key]) for p, q in zip(roof[x] or [], roof[y] or [])]
+                    rmed = sorted(rr)[(len(rr) - 1) // 2] if rr else None
                     summary.append(
                         f"| {label} | {a.world_size} | {spec} | {info['dilation']:.1f} | {what} "
                         f"<= {most:.2f} | {_spread(ratios, lambda v: f'{v:.3f}')} | "
                         f"{'yes' if med <= most else 'no'} | "
-                        f"{'yes' if all(v <= most for v in ratios) else 'no'} |")
+                        f"{'yes' if all(v <= most for v in ratios) else 'no'} | "
+                        + (f"{_spread(rr, lambda v: f'{v:.3f}')} | "
+                           f"{'yes' if rmed <= most else 'no'} |" if rr else "- | - |"))
             for r in rows:
                 p = info.get("plan", {}).get(r["kind"])
                 if not p or "error" in p:
@@ -559,9 +596,15 @@ def write_targets(sections, args, argv) -> str:
                 e = sorted(x["exposed_s"] for x in rounds)[(len(rounds) - 1) // 2] \
                     / info["dilation"]
                 ratio = _ratio(p["exposed_comm_s"], e)
+                cells = "- | - | - |"
+                if r.get("emulated_roofline"):
+                    rr = r["emulated_roofline"][spec]
+                    g = sorted(x["exposed_s"] for x in rr)[(len(rr) - 1) // 2]
+                    gr = _ratio(p["exposed_comm_s"], g)
+                    cells = f"{1e6 * g:.1f} | {gr:.2f} | {'yes' if abs(gr - 1) <= 0.2 else 'no'} |"
                 plan_rows.append(f"| {label} | {a.world_size} | {spec} | {r['kind']} | "
                                  f"{1e6 * p['exposed_comm_s']:.1f} | {1e6 * e:.1f} | {ratio:.2f} "
-                                 f"| {'yes' if abs(ratio - 1) <= 0.2 else 'no'} |")
+                                 f"| {'yes' if abs(ratio - 1) <= 0.2 else 'no'} | {cells}")
     trace = out.removesuffix(".md") + ".trace.json.gz"
     steps = []
     from zerolab.emulate import chrome_trace

@@ -118,10 +118,10 @@ def network(spec: str, world_size: int, dilation: float = 1.0) -> Network:
 class _State:
     """The recorder's state in this process (one recorder at a time)."""
 
-    def __init__(self, clock):
-        self.clock = clock
+    def __init__(self, clock, gpu_clock=None):
+        self.clock, self.gpu_clock = clock, gpu_clock
         self.log: list | None = None  # the step being recorded, or None
-        self.last = 0.0
+        self.last = self.last_gpu = 0.0
         self.ids = 0
         self.current: Stream | None = None
         self.inside = 0  # > 0 while a real collective runs (a wrapped one calling another)
@@ -134,13 +134,15 @@ class _State:
         return self.ids
 
     def tick(self) -> None:
-        """Charge the CPU time since the last event to the stream current during it."""
+        """Charge the compute since the last event to the stream current during it: this CPU's
+        seconds, and the GPU's by the roofline (0 without one)."""
         now = self.clock()
+        gpu = self.gpu_clock() if self.gpu_clock is not None else 0.0
         if self.log is not None:
-            dt = now - self.last
-            if dt > 0:
-                self.log.append(("run", self.current.id if self.current else COMPUTE, dt))
-        self.last = now
+            dt, dg = now - self.last, gpu - self.last_gpu
+            if dt > 0 or dg > 0:
+                self.log.append(("run", self.current.id if self.current else COMPUTE, dt, dg))
+        self.last, self.last_gpu = now, gpu
 
     def resume(self) -> None:
         """After real communication: its CPU time is not compute."""
@@ -344,12 +346,21 @@ class Kernels(TorchDispatchMode):
     (a GPU's kernels), not in the Python around them (the host's work, which on a GPU runs
     ahead of the kernels it queues), nor in the collectives. ``total`` is the clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, device=None) -> None:
         super().__init__()
         self.total = 0.0
+        self.gpu = 0.0  # the same operators priced on ``device`` by the plan's roofline
+        self.roofline = None
+        if device is not None:
+            from zerolab.roofline import Roofline
+
+            self.roofline = Roofline(device)
 
     def __call__(self) -> float:
         return self.total
+
+    def gpu_seconds(self) -> float:
+        return self.gpu
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -358,13 +369,19 @@ class Kernels(TorchDispatchMode):
             return NotImplemented  # DTensor first turns its op into plain ops
         t0 = time.process_time()
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "namespace", None) not in ("c10d", "_c10d_functional") and \
+        if getattr(func, "namespace", None) not in ("c10d", "_c10d_functional", "profiler") and \
                 not (_state is not None and _state.inside):
             self.total += time.process_time() - t0
+            if self.roofline is not None:
+                from zerolab.roofline import cost_of
+
+                op = cost_of(func, args, kwargs, out)
+                if op is not None:
+                    self.gpu += self.roofline.seconds(op)
         return out
 
 
-CLOCKS = ("kernels", "process")
+CLOCKS = ("kernels", "process")  # this CPU's; with a ``device``, the roofline's is logged too
 
 
 class Recorder:
@@ -377,18 +394,19 @@ class Recorder:
             two events, the host's Python included).
     """
 
-    def __init__(self, clock: str = "kernels"):
+    def __init__(self, clock: str = "kernels", device=None):
         if clock not in CLOCKS:
             raise ValueError(f"clock {clock!r}: one of {CLOCKS}")
-        self.kernels = Kernels() if clock == "kernels" else None
-        self.clock = self.kernels if self.kernels is not None else process_cpu_time
+        self.kernels = Kernels(device) if clock == "kernels" or device is not None else None
+        self.clock = self.kernels if clock == "kernels" else process_cpu_time
+        self.gpu_clock = self.kernels.gpu_seconds if device is not None else None
         self._saved: list = []
 
     def __enter__(self) -> "Recorder":
         global _state
         if _state is not None:
             raise RuntimeError("an emulation Recorder is already installed in this process")
-        _state = _State(self.clock)
+        _state = _State(self.clock, self.gpu_clock)
         _state.compute = Stream()
         _state.compute.id = COMPUTE
         patches = [(torch.cpu, "Stream", Stream), (torch.cpu, "Event", Event),
@@ -418,6 +436,7 @@ class Recorder:
         st.log, st.pending, st.callback_queued = log, [], False
         st.current = None
         st.last = self.clock()
+        st.last_gpu = self.gpu_clock() if self.gpu_clock is not None else 0.0
         try:
             with self.kernels if self.kernels is not None else contextlib.nullcontext():
                 yield log
@@ -457,8 +476,11 @@ class Played:
         return 1.0 - self.exposed_s / self.comm_s if self.comm_s else 1.0
 
 
-def play(log: list, net: Network) -> Played:
-    """Run one step's log as a GPU runs it (the module docstring, 2.)."""
+def play(log: list, net: Network, clock: str = "cpu") -> Played:
+    """Run one step's log as a GPU runs it (the module docstring, 2.): compute by this CPU's
+    clock ("cpu", dilated collectives) or by the roofline's ("roofline": GPU seconds, to be
+    played with a dilation of 1)."""
+    at_ = 2 if clock == "cpu" else 3
     out = Played()
     now = 0.0  # the computing stream's clock (it is the host too: it issues everything)
     free: dict[int, float] = {}  # side stream -> when its queued work ends
@@ -483,7 +505,7 @@ def play(log: list, net: Network) -> Played:
     for entry in log:
         what = entry[0]
         if what == "run":
-            _, s, dt = entry
+            s, dt = entry[1], (entry[at_] if len(entry) > at_ else 0.0)
             if s == COMPUTE:
                 out.spans.append(("compute", "compute", now, now + dt))
                 now += dt
@@ -645,13 +667,13 @@ def _median(xs: list[float]) -> float:
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
 
 
-def summarize(logs_by_rank: list[list[list]], net: Network) -> dict:
+def summarize(logs_by_rank: list[list[list]], net: Network, clock: str = "cpu") -> dict:
     """Each rank's step logs (``logs_by_rank[rank][step]``) played on ``net``: every step lasts
     as long as its slowest rank, whose figures it takes; the median over the steps of each
     figure (emulated seconds). ``trace``: rank 0's (log, played) of the median step."""
     steps = []
     for i in range(min(len(r) for r in logs_by_rank) if logs_by_rank else 0):
-        played = [play(r[i], net) for r in logs_by_rank]
+        played = [play(r[i], net, clock) for r in logs_by_rank]
         steps.append((max(played, key=lambda p: p.step_s), played[0], logs_by_rank[0][i]))
     if not steps:
         return {}

@@ -132,7 +132,10 @@ def test_the_main_job_plays_every_round_on_each_network(tmp_path):
     assert args.emulation["cpu_step_s"] > 0
     assert all(n["dilation"] > 0 for n in args.emulation["networks"].values())
     lines = report.emulated_tables(rows, args)
-    assert sum(line.startswith("| zero3 |") for line in lines) == 2
+    assert sum(line.startswith("| zero3 |") for line in lines) == 4  # (and the roofline clock's)
+    for r in rows:  # the roofline's clock prices the same operators alike in every round
+        computes = {x["compute_s"] for x in r["emulated_roofline"]["dgx-h100"]}
+        assert len(computes) == 1 and computes.pop() > 0, r["kind"]
     assert sum(line.startswith("| zero3 step time / DDP's |") for line in lines) == 2
     path = report.write_trace(rows, args, str(tmp_path / "t.json"))
     with open(path) as f:
