@@ -403,8 +403,8 @@ def emulated_tables(rows, args) -> list[str]:
                f"by zerolab/cost.py on these links; no dilation, emulated ms are a GPU's "
                f"(this CPU's kernels took {info['cpu_gpu']:.1f} x as long).")
         out += ["", f"## Emulated GPU cluster: {spec}", "",
-                f"{info['cluster']}. {how} Each figure the median of {steps}, and [min-max] over the "
-                f"rounds. Exposed: time the computing stream waited for a collective of that "
+                f"{info['cluster']}. {how} Each figure the median of {steps}, and [min-max] over "
+                f"the rounds. Exposed: time the computing stream waited for a collective of that "
                 f"kind; overlap: 1 - exposed / the collectives' summed durations. Not emulated: "
                 f"compute slowed by NCCL sharing the SMs and memory bandwidth, launch overhead, "
                 f"the host's own time: it is taken to run ahead of the GPU, every stream's work "
