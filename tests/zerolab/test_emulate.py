@@ -140,3 +140,25 @@ def test_the_main_job_plays_every_round_on_each_network(tmp_path):
     path = report.write_trace(rows, args, str(tmp_path / "t.json"))
     with open(path) as f:
         assert len(json.load(f)["traceEvents"]) > 10
+
+
+def test_the_targets_run_writes_every_verdict_and_the_plan_beside_them(tmp_path, monkeypatch):
+    import compare_stages
+
+    monkeypatch.setattr(compare_stages, "TARGET_WORLD_SIZES", [2])
+    out = tmp_path / "targets.md"
+    compare_stages.main(["--targets", "--layers", "2", "--dim", "16", "--seq", "8", "--batch",
+                         "2", "--steps", "1", "--rounds", "2", "--systems",
+                         "ddp,zero1,zero3,fsdp2", "--out", str(out)])
+    text = out.read_text()
+    verdicts = [line for line in text.splitlines()
+                if line.startswith("| GPT 2 x 16") and "<=" in line]
+    # ZeRO-3 against FSDP2 (exposed, step) and ZeRO-1 against DDP, on each of the two networks
+    assert len(verdicts) == 3 * 2, verdicts
+    assert all(cell.strip() in ("yes", "no") for v in verdicts for cell in v.split("|")[7:9])
+    assert "dilation" in text and "torch " in text and "roofline clock" in text
+    trace = str(out).removesuffix(".md") + ".trace.json.gz"
+    import gzip
+
+    with gzip.open(trace, "rt") as f:
+        assert json.load(f)["traceEvents"]
