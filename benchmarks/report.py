@@ -570,7 +570,7 @@ def write_targets(sections, args, argv) -> str:
     for a, rows in sections:
         label = f"GPT {a.layers} x {a.dim}, Ψ = {rows[0]['psi']:,}"
         body += ["", f"# {label}, {a.world_size} ranks", ""]
-        body += [f"Losses: {loss_check(rows)}"]
+        body += [loss_check(rows)]
         body += emulated_tables(rows, a)
         for spec, info in a.emulation["networks"].items():
             by = {r["kind"]: r["emulated"][spec] for r in rows}
