@@ -17,7 +17,12 @@ and until it has run there, the CUDA path is untested. What it checks:
    computation: in a profiled ZeRO-3 step in bf16, how many of the kernels on the context's
    streams (the copy-ins' casts; with several GPUs under torchrun, NCCL's all-gathers and
    reduce-scatters) overlap a kernel of the computing stream. Check 1's equality runs with
-   the streams on: the losses and parameters are bitwise the single-device run's.
+   the streams on: the losses and parameters are bitwise the single-device run's;
+6. time as the emulated cluster reports it, measured: with 2 or more GPUs, one profiled step of
+   each system (DDP, ZeRO-1/2/3, FSDP2 with and without resharding; NCCL, bf16 compute) and,
+   from the kernels of its trace (``zerolab/profiled.py``), the communication exposed per
+   collective kind and the overlap fraction: the rows to read beside ``compare_stages.py
+   --network``'s emulated ones.
 
 Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
 runs the same code on the CPU with gloo and the small model (tests/zerolab/test_device_check.py), so
@@ -150,6 +155,48 @@ def streams_overlap(rank: int, n: int) -> tuple[str, str | bool]:
             f"{overlap} of {len(side)}")
 
 
+SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
+
+
+def profiled_systems(rank: int, n: int) -> list[tuple[str, str]]:
+    """One profiled step of each system on ``n`` ranks: exposed communication by kind and the
+    overlap fraction, read from the trace's kernels (rank 0's)."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from zerolab.profiled import figures, kernels_of
+
+    device = torch.device("cpu") if DRY["on"] else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    activities = [ProfilerActivity.CPU] + ([] if DRY["on"] else [ProfilerActivity.CUDA])
+    out = []
+    for kind in SYSTEMS:
+        torch.manual_seed(0)
+        with torch.device(device):
+            base = GPT(SMALL if DRY["on"] else BIG)
+        system = System(kind, base, "adamw", mp=kind != "ddp")
+        for s in range(2):  # warm-up: DDP's buckets, the schedules' order
+            system.step(rank, s, batch=2)
+        _sync()
+        with profile(activities=activities) as prof:
+            system.step(rank, 2, batch=2)
+            _sync()
+        what = f"profiled step, {kind}, {n} ranks: exposed us by kind; overlap"
+        if DRY["on"]:
+            out.append((what, "CPU: no device kernels"))
+            continue
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        f = figures(kernels_of(path))
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in f["exposed"].items()) or "none"
+        out.append((what, f"{kinds}; total {f['exposed_total']:.0f} of {f['comm']:.0f} us, "
+                          f"overlap {f['overlap']:.0%}, compute {f['compute']:.0f} us"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[tuple]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -191,6 +238,13 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     check("the stage comparison", stages)
     check("streams", lambda: [run_ranks(streams_overlap, 1, backend=_backend(),
                                         timeout=240)[0]])
+    gpus = 2 if DRY["on"] else torch.cuda.device_count()
+    if gpus >= 2:
+        check("profiled systems", lambda: run_ranks(profiled_systems, min(gpus, 8),
+                                                     backend=_backend(), timeout=480)[0])
+    else:
+        rows.append(("profiled systems", "needs 2 or more GPUs (NCCL sends nothing at world "
+                     "size 1): rerun on a machine with several", 0.0))
     width = max(len(r[0]) for r in rows)
     print(f"{'check':<{width}}  result  (seconds)")
     for name, result, seconds in rows:

@@ -15,4 +15,6 @@ def test_the_device_check_runs_its_checks_on_the_cpu(capsys):
     assert sum("peak" in str(v) for v in results.values()) == 5  # zero1-3, CPU and disk offload
     assert not any("FAILED" in str(v) for v in results.values()), results
     assert results["streams: a profiled ZeRO-3 step (CPU: no device kernels)"] is True
+    profiled = [k for k in results if k.startswith("profiled step, ")]
+    assert len(profiled) == 6 and all(results[k] == "CPU: no device kernels" for k in profiled)
     assert "check" in capsys.readouterr().out
