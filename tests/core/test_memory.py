@@ -175,7 +175,7 @@ def _schedule(rank, n, stage):
     return mt.category_peaks[CPU][MODEL_STATES], predicted
 
 
-@pytest.mark.parametrize("stage,n", sample([(1, 2), (2, 2), (3, 2), (3, 4)], [(s, n) for n in (2, 4) for s in (1, 2, 3)]))
+@pytest.mark.parametrize("stage,n", sample([(1, 2), (2, 2), (3, 2)], [(s, n) for n in (2, 4) for s in (1, 2, 3)]))
 def test_the_schedule_predicts_the_measured_model_state_peak_to_the_byte(stage, n):
     # zerolab/memory.py walks the paper's terms through our schedule, unit by unit, with the
     # extras the formula leaves out (padding, step counters, units in flight).

@@ -24,6 +24,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: F401 (MemTracker's kinds)
 
 import zero
+from conftest import sample
 from harness import run_ranks
 from zero.features.logging_backend import LoggingBackend
 from zerolab.memory import schedule
@@ -483,7 +484,7 @@ def _blocking_policy(rank, n, layout, blocking):
     return zero.full_state_dict(model)
 
 
-@pytest.mark.parametrize("layout", ["flat", "rows"])
+@pytest.mark.parametrize("layout", sample(["flat"], ["flat", "rows"]))
 def test_a_comm_policy_whose_collectives_return_none_trains_like_the_default(layout):
     for ours, default in zip(run_ranks(_blocking_policy, 2, layout, True),
                              run_ranks(_blocking_policy, 2, layout, False)):

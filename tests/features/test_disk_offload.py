@@ -392,7 +392,7 @@ def _resumed(rank, n, directory, ckpt, opt_name):
     return zero.full_state_dict(fresh)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("opt_name", sample(["adamw"], ["sgd", "adamw"]))
 def test_a_resume_before_the_first_forward_trains_on_as_cpu_offload(opt_name, tmp_path):
     """The state loaded before the first forward went into files keyed by the units' class
     names, which the first forward changed: SGD's momentum restarted silently, AdamW raised

@@ -142,6 +142,7 @@ def test_the_main_job_plays_every_round_on_each_network(tmp_path):
         assert len(json.load(f)["traceEvents"]) > 10
 
 
+@pytest.mark.full  # (a --targets run; ZERO_FULL=1 runs it)
 def test_the_targets_run_writes_every_verdict_and_the_plan_beside_them(tmp_path, monkeypatch):
     import compare_stages
 
