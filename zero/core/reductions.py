@@ -7,10 +7,11 @@ backward, and that unit's post-backward ends it just before issuing its own, as 
 ``post_backward`` does. So two full gradients are alive at the peak besides the shards: the
 one being reduced and the one being computed (with ``zero.shard(..., reduce_scatter_depth=k)``
 or FSDP2's ``set_reduce_scatter_max_input_buffers(k)``, k + 1: memory for overlap when the
-reductions are slower than a unit's backward). The last is ended at the end of backward. Stage 1, which keeps every full gradient until
-the step anyway, lets them all fly, and starts them in one fixed order (the units' own,
-reversed: backward's usual one), each once those before it have started, as DDP starts its
-buckets; so units may run in another order on each rank.
+reductions are slower than a unit's backward). The last is ended at the end of backward.
+Stage 1, which keeps every full gradient until the step anyway, lets them all fly, and starts
+them in one fixed order (the units' own, reversed: backward's usual one), each once those
+before it have started, as DDP starts its buckets; so units may run in another order on each
+rank.
 
 When a gather starts is a policy (``zero/core/schedule.py``); this is not: a rank that started
 its reductions in another order would exchange the wrong units' gradients.
