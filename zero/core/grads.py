@@ -83,17 +83,15 @@ class Gradient:
 
     Args:
         leaf: the unit's full flat parameter, where autograd accumulates the gradient.
-        sharded_params: the unit's ``ShardedParam`` objects (their ``.sharded.grad`` is
-            handed out here).
+        sharded_params: the unit's ``ShardedParam`` objects (``.sharded.grad`` set here).
         local: this rank's slot and pieces of the unit's layout.
         master: the unit's shard (its dtype and device are the parameters' ``.grad``'s).
         config: the unit's ``UnitConfig``: ``reduce_dtype`` (``MixedPrecision``), whether
             the stage keeps the full gradient (stage 1), the comm policy that reduce-scatters
             it, the offload policy that takes the reduced shard where the optimizer steps.
         mesh: the unit's ``MeshInfo``: its group, and HSDP's replicas if any.
-        name: the unit's name, for the ledger.
-        controls: the unit's ``Controls``, where FSDP2's gradient settings live (divide
-            factor, forced sums, HSDP's all-reduce and its hook, unused parameters).
+        name: the unit's name, for the ledger. controls: the unit's ``Controls``, where
+            FSDP2's gradient settings live (divide factor, HSDP's all-reduce, unused ones).
     """
 
     def __init__(self, leaf: torch.Tensor, sharded_params: list, local: LocalShard,
