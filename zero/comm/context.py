@@ -61,8 +61,7 @@ class Handle:
 
 
 class Done:
-    """The handle of a collective that had nothing to do (a group of one rank), or that had
-    finished when its call returned (a backend or FSDP2 comm object that returned None)."""
+    """The handle of a collective that had nothing to do: a group of one rank."""
 
     def wait(self, *args, **kwargs) -> bool:
         return True
@@ -79,8 +78,7 @@ def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_o
                   "calls, the same no_sync micro-batches, backward and opt.step() on all ranks")
     name = ctx.issued(what, group)
     rec = ledger.record(op, buffer, factor, group, unit, phase, ctx)
-    work = launch(ctx.backend)
-    handle = Handle(Done() if work is None else work, op, name, group, rec, ctx)
+    handle = Handle(launch(ctx.backend), op, name, group, rec, ctx)  # (None: waits.wait's)
     return handle if async_op else handle.wait()
 
 
