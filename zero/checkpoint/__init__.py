@@ -3,7 +3,7 @@
 - ``dcp``: ``zero.save`` / ``state_dict`` / ``export`` on torch's DCP;
 - ``loading``: ``zero.load``, one unit at a time;
 - ``directory``: the version directories, the atomic flip of ``latest``, keep-last-K, the lock;
-- ``checks``: what is checked on disk before a byte is read;
+- ``validate``: what is checked on disk before a byte is read;
 - ``reader``: how DCP reads a checkpoint here (checked records, values loaded as data);
 - ``safe_pickle``: ``.metadata`` unpickled against an allow-list, in memory proportional to it;
 - ``fsdp2_layout``: FSDP2's per-parameter chunks, to and from our flat shards.

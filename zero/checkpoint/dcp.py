@@ -12,19 +12,15 @@ layout, the world size or the stage, so DCP reshards on load by reading whicheve
 overlap each rank's chunk, and FSDP2 reads our checkpoints and we read theirs
 (notes/08-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
 
-Writes are atomic: a crash during ``save`` leaves the previous checkpoint loadable, a failed
-save leaves nothing behind, one job at a time writes into a directory, and only versions
-``save`` made are ever deleted (``zero/checkpoint/directory.py``). Reads run no code: a
-checkpoint is data, whoever made it (``zero/checkpoint/safe_pickle.py``); and before a byte is
-read every rank checks the checkpoint and the ranks agree on the outcome, so a bad one raises
-on every rank and none hangs (``zero/checkpoint/loading.py``).
+Writes are atomic, one job at a time, and delete only what ``save`` made
+(``zero/checkpoint/directory.py``); reads run no code (``zero/checkpoint/safe_pickle.py``), and
+a bad checkpoint raises on every rank before a byte is read (``zero/checkpoint/loading.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import tempfile
 from collections.abc import Callable
 
@@ -32,13 +28,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zero import comm
 from zero.comm.context import CommContext
-from zero.checkpoint import reader, validate
+from zero.checkpoint import reader
 from zero.checkpoint import directory as ckdir
 from zero.checkpoint.fsdp2_layout import flat_to_chunks, mesh_of, to_dtensor
 from zero.core import adoption, placement, registry
@@ -118,9 +112,7 @@ def check_optimizer(model: nn.Module, optimizer) -> None:
     if optimizer is None:
         return
     names = first_names(model)
-    for p in (p for g in optimizer.param_groups for p in g["params"]):
-        if p in names:
-            continue
+    for p in (p for g in optimizer.param_groups for p in g["params"] if p not in names):
         if registry.replaced_by(p) is not None:
             raise ValueError(
                 f"{type(optimizer).__name__} holds a parameter that zero.shard replaced by its "
@@ -141,7 +133,8 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     placement.refuse(units, "zero.save", PLACED_FIX, any_dim=True)
     state = {"model": _model_state(model, units)}
     if optimizer is not None:
-        state["optim"] = _optim_state(model, optimizer, units)
+        with resident(optimizer):  # (DiskOffload: the state back from its files)
+            state["optim"] = _optim_state(model, optimizer, units)
     return state
 
 
@@ -152,8 +145,7 @@ def entries_of(model: nn.Module) -> dict:
     parameter in its full shape (an empty stand-in on the meta device for a 1-D piece; the
     DTensor itself for layout "rows"), so a hook that reads shapes works. A hook that makes
     new tensors of them (torchtitan's fused-QKV hook splits ``wqkv`` into ``wq``/``wk``/``wv``)
-    is refused: what is saved and loaded here is each parameter as the model holds it, and a
-    transformed copy would be written, or loaded into, in vain."""
+    is refused."""
     units = units_of(model)
     stand_in = {}  # id(stand-in) -> the piece it stands for
     for unit in units:
@@ -219,11 +211,6 @@ def resident(optimizer):
 
 def _optim_state(model: nn.Module, optimizer, units) -> dict:
     """FSDP2's optimizer state dict: state and param groups keyed by parameter name."""
-    with resident(optimizer):  # (DiskOffload: the state back from its files)
-        return _optim_state_in_memory(model, optimizer, units)
-
-
-def _optim_state_in_memory(model: nn.Module, optimizer, units) -> dict:
     names = first_names(model)
     with state_dict_access():  # (refused to users: zero/surface/attach.py)
         saved = optimizer.state_dict()  # keyed by position in the param groups
@@ -290,58 +277,19 @@ def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     the point). Reads run no code, like ``load``, and only the version ``latest`` named when it
     started; the file written holds only tensors (and plain values), so it loads with
     ``torch.load(out_file, weights_only=True)``, and a plain unsharded model loads it with
-    ``load_state_dict``. It is written under a temporary name beside ``out_file``, renamed
-    into place once complete, and removed if anything fails.
+    ``load_state_dict``. It is written atomically, like the checkpoint itself.
     """
     ckpt = ckdir.resolve(path)
-    _check_out_file(out_file, path, ckpt)
-    meta, _ = validate.read_metadata(ckpt)
-    validate.check_has_model(ckpt, meta)
-    validate.check_files(ckpt, meta)
-    found = reader.Reader(ckpt, meta)
-    try:
-        found.prepare([i for i in meta.storage_data if meta.planner_data[i.fqn][0] == "model"])
-        template = _plain_template(meta, {"model"}, "cpu")
-        reader.read(template, found, alone=True)
-    finally:
-        found.close()
-    state = template["model"]
+    ckdir.check_out_file(out_file, path, ckpt)
+    state = reader.read_model(ckpt)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(out_file) + ".", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(out_file)))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
-        os.replace(tmp, out_file)  # atomic, like the checkpoint itself
+        os.replace(tmp, out_file)  # (once complete: a failure removes the temporary file)
     except BaseException:
         os.remove(tmp)
         raise
     return state
 
-
-def _plain_template(meta: Metadata, tops: set[str], device) -> dict:
-    """Every entry under ``tops``: an empty whole tensor, or None for a pickled value (export;
-    what it allocates the checks above bound by the files)."""
-    template: dict = {}
-    for key, md in meta.state_dict_metadata.items():
-        path = meta.planner_data[key]
-        if path[0] in tops:
-            value = (torch.empty(md.size, dtype=md.properties.dtype, device=device)
-                     if isinstance(md, TensorStorageMetadata) else None)
-            set_element(template, path, value)
-    return template
-
-
-def _check_out_file(out_file: str, path: str, ckpt: str) -> None:
-    """Refuse, before reading anything, an ``out_file`` that would replace a file of the
-    checkpoint (a data file, ``latest``, a version) or that cannot be written as one file."""
-    where = os.path.realpath(os.path.dirname(os.path.abspath(out_file)))
-    name = os.path.basename(out_file)
-    inside = where == os.path.realpath(ckpt)
-    ours = where == os.path.realpath(path) and (name in ("latest", "latest.tmp", ckdir.LOCK)
-                                                or re.fullmatch(r"v\d+", name))
-    if inside or ours:
-        raise ValueError(f"{out_file} is a file of the checkpoint {ckpt} itself: export would "
-                         "replace it; write the consolidated model somewhere else")
-    if os.path.isdir(out_file):
-        raise ValueError(f"{out_file} is a directory: give export the name of the file to write "
-                         f"(e.g. {os.path.join(out_file, 'model.pt')})")

@@ -160,3 +160,19 @@ def resolve(path: str) -> str:
     raise FileNotFoundError(
         f"no checkpoint at {path}: neither {path}/.metadata (a DCP checkpoint) nor "
         f"{path}/latest (written by zero.save) exists")
+
+
+def check_out_file(out_file: str, path: str, ckpt: str) -> None:
+    """Refuse, before ``export`` reads anything, an ``out_file`` that would replace a file of
+    the checkpoint (a data file, ``latest``, a version) or that cannot be written as one file."""
+    where = os.path.realpath(os.path.dirname(os.path.abspath(out_file)))
+    name = os.path.basename(out_file)
+    inside = where == os.path.realpath(ckpt)
+    ours = where == os.path.realpath(path) and (name in ("latest", "latest.tmp", LOCK)
+                                                or re.fullmatch(r"v\d+", name))
+    if inside or ours:
+        raise ValueError(f"{out_file} is a file of the checkpoint {ckpt} itself: export would "
+                         "replace it; write the consolidated model somewhere else")
+    if os.path.isdir(out_file):
+        raise ValueError(f"{out_file} is a directory: give export the name of the file to write "
+                         f"(e.g. {os.path.join(out_file, 'model.pt')})")

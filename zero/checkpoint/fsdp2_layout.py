@@ -33,6 +33,7 @@ class Chunk:
     stop: int
     shape: torch.Size  # (rows, *shape[1:]); () for a 0-d parameter
     padded: int  # c rows' worth of elements: what every rank sends for it in an all-gather
+    rows: tuple[int, int] | None = None  # rows [first, end) of dim 0; None for a 0-d one
 
 
 def chunk_of(shape: torch.Size, world_size: int, rank: int) -> Chunk:
@@ -42,7 +43,7 @@ def chunk_of(shape: torch.Size, world_size: int, rank: int) -> Chunk:
     rows, row = shape[0], shape[1:].numel()
     c = -(-rows // world_size)
     lo, hi = min(rank * c, rows), min((rank + 1) * c, rows)
-    return Chunk(lo * row, hi * row, torch.Size([hi - lo, *shape[1:]]), padded=c * row)
+    return Chunk(lo * row, hi * row, torch.Size([hi - lo, *shape[1:]]), c * row, (lo, hi))
 
 
 def to_dtensor(chunk: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> torch.Tensor:

@@ -20,12 +20,12 @@ The optimizer takes its new state last, all at once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from zero import comm
 from zero.comm.context import CommContext
@@ -36,6 +36,7 @@ from zero.checkpoint.fsdp2_layout import chunk_of, chunks_to_flat, mesh_of, to_d
 from zero.core import adoption, placement, registry
 from zero.core.guards import state_dict_access
 from zero.core.registry import units_of
+from zero.core.rows import local_tensor
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
@@ -65,17 +66,15 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     # (before entries_of puts its tensors in the slots: a replacement not adopted is dropped)
     adoption.adopt_agreed(units, "load a checkpoint", fix="Call zero.load on every rank")
     names, entries = first_names(model), entries_of(model)
-    with_optim = optimizer is not None
-    ctx = units[0].root.context
-    found, meta, elementwise = _agreed(ctx, path, _checked, path, model, optimizer, units,
-                                       entries)
+    ctx, with_optim = units[0].root.context, optimizer is not None
+    found, meta, elementwise = _agreed(ctx, path, _checked, path, model, optimizer, entries)
     try:
         rest = _rest(meta, entries, elementwise, with_optim)
         reader.read(rest, found)
         if with_optim:
             groups = _groups(optimizer, names, _checked_optim(found.ckpt, rest["optim"]))
         with torch.no_grad():
-            state = _load_units(found, meta, units, names, entries, elementwise, with_optim)
+            state = _load_units(found, meta, units, names, entries, elementwise)
             _raise_together(ctx, found.ckpt, state.pop(None, None))
             for k, t in entries.items():
                 if not registry.is_piece(t):
@@ -87,7 +86,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     return found.ckpt
 
 
-def _checked(path: str, model, optimizer, units, entries):
+def _checked(path: str, model, optimizer, entries):
     """Every check before the first byte is loaded, on this rank alone (no collective)."""
     check_optimizer(model, optimizer)
     shapes = {k: registry.unit_of(t).layout.shapes[registry.index_of(t)] if registry.is_piece(t)
@@ -99,35 +98,33 @@ def _checked(path: str, model, optimizer, units, entries):
     elementwise = {n: ks for n, ks in elementwise.items() if registry.is_piece(entries[n])}
     found = reader.Reader(ckpt, meta)
     try:
-        found.prepare(_records(meta, _boxes(units, entries, elementwise, meta, optimizer)))
+        found.prepare(_records(meta, _boxes(entries, elementwise, meta, optimizer)))
     except BaseException:
         found.close()
         raise
     return (found, meta, elementwise), fingerprint
 
 
-def _boxes(units, entries, elementwise, meta, optimizer) -> dict:
+def _boxes(entries, elementwise, meta, optimizer) -> dict:
     """``{checkpoint key: (first row, end row) this rank loads, or None: all of it}``."""
-    boxes = {}
-    for k, t in entries.items():
-        boxes[f"model.{k}"] = _rows(t) if registry.is_piece(t) else None
+    boxes = {f"model.{k}": _rows(t) if registry.is_piece(t) else None for k, t in entries.items()}
     if optimizer is not None:
-        pieces = {n: t for n, t in entries.items() if registry.is_piece(t)}
         for key, path in meta.planner_data.items():
             if path[0] == "optim":
-                mine = len(path) == 4 and path[1] == "state" and path[3] in elementwise.get(path[2], ())
-                boxes[key] = _rows(pieces[path[2]]) if mine else None
+                boxes[key] = _rows(entries[path[2]]) if _sharded(path, elementwise) else None
     return boxes
+
+
+def _sharded(path: tuple, elementwise: dict) -> bool:
+    """Whether ``path`` is elementwise optimizer state (exp_avg, not step): loaded by unit."""
+    return len(path) == 4 and path[1] == "state" and path[3] in elementwise.get(path[2], ())
 
 
 def _rows(piece) -> tuple[int, int] | None:
     """This rank's FSDP2 chunk of the parameter ``piece`` belongs to, as rows (0-d: None)."""
     unit = registry.unit_of(piece)
     shape = unit.layout.shapes[registry.index_of(piece)]
-    if len(shape) == 0:
-        return None
-    c = -(-shape[0] // unit.mesh.world_size)
-    return min(unit.mesh.rank * c, shape[0]), min((unit.mesh.rank + 1) * c, shape[0])
+    return chunk_of(shape, unit.mesh.world_size, unit.mesh.rank).rows
 
 
 def _records(meta, boxes: dict) -> list:
@@ -135,12 +132,11 @@ def _records(meta, boxes: dict) -> list:
     found = []
     for key, rows in boxes.items():
         md = meta.state_dict_metadata[key]
-        if not isinstance(md, TensorStorageMetadata):
+        if isinstance(md, TensorStorageMetadata):
+            found += [MetadataIndex(key, c.offsets) for c in md.chunks if rows is None
+                      or (c.offsets[0] < rows[1] and rows[0] < c.offsets[0] + c.sizes[0])]
+        else:
             found.append(MetadataIndex(key))
-            continue
-        for c in md.chunks:
-            if rows is None or (c.offsets[0] < rows[1] and rows[0] < c.offsets[0] + c.sizes[0]):
-                found.append(MetadataIndex(key, c.offsets))
     return found
 
 
@@ -148,13 +144,13 @@ _ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
                                    safe_pickle.UntrustedCheckpointError)}
 
 
-def _agreed(ctx: CommContext, path: str, checks_: Callable, *args):
-    """Run ``checks_`` on every rank, then agree, in one small all-gather, before any collective
+def _agreed(ctx: CommContext, path: str, checks: Callable, *args):
+    """Run ``checks(*args)`` on every rank, then agree, in one small all-gather, before any collective
     that moves data: every rank returns, or every rank raises (its own error, or else the first
     failing rank's). Ranks can see different files: a node-local disk, an unfinished copy."""
-    mine, fingerprint, value = None, None, None
+    mine = fingerprint = value = None
     try:
-        value, fingerprint = checks_(*args)
+        value, fingerprint = checks(*args)
     except Exception as e:  # noqa: BLE001 (reported on every rank below)
         mine = e
     error = None if mine is None else (type(mine).__name__, str(mine))
@@ -162,13 +158,14 @@ def _agreed(ctx: CommContext, path: str, checks_: Callable, *args):
     if mine is not None:
         raise mine
     failed = [(r, error) for r, (error, _) in enumerate(told) if error]
-    if failed or len({f for _, f in told}) > 1:
+    differ = len({f for _, f in told}) > 1
+    if failed or differ:
         assert value is not None  # (this rank's checks passed: it holds what they opened)
         value[0].close()
     if failed:
         rank, (kind, message) = failed[0]
         raise _ERRORS.get(kind, RuntimeError)(f"rank {rank} cannot load {path}: {message}")
-    if len({f for _, f in told}) > 1:
+    if differ:
         raise RuntimeError(
             f"the ranks read different checkpoints at {path} (their .metadata differ): every "
             "rank must see the same, complete checkpoint: put it on a file system they share, "
@@ -180,27 +177,18 @@ def _agreed(ctx: CommContext, path: str, checks_: Callable, *args):
 def _rest(meta, entries, elementwise, with_optim: bool) -> dict:
     """What is loaded whole, first: buffers and unsharded parameters, and of the optimizer
     all but its elementwise state (param groups, ``step``). Empty tensors, None for bytes."""
-    template: dict = {"model": {}, "optim": {"state": {}}}
-    for key, md in meta.state_dict_metadata.items():
-        path = meta.planner_data[key]
+    def wanted(path: tuple) -> bool:
         if path[0] == "model":
-            if registry.is_piece(entries[path[1]]):
-                continue
-        elif not (with_optim and path[0] == "optim"):
-            continue
-        elif path[1] == "state" and len(path) == 4 and path[3] in elementwise.get(path[2], ()):
-            continue
-        value = (torch.empty(md.size, dtype=md.properties.dtype)
-                 if isinstance(md, TensorStorageMetadata) else None)
-        set_element(template, path, value)
-    return template
+            return not registry.is_piece(entries[path[1]])
+        return with_optim and path[0] == "optim" and not _sharded(path, elementwise)
+
+    return reader.template(meta, wanted, {"model": {}, "optim": {"state": {}}})
 
 
-def _load_units(found, meta, units, names, entries, elementwise, with_optim: bool) -> dict:
-    """Each unit's chunks from disk into its shard, then its elementwise state one key at a
-    time (so one kind of chunk is held at once); returns the new state ``{param: {key: this
-    rank's piece}}``, views into one buffer per unit and key, and under None this rank's read
-    failure, if one failed (it still took part in every collective: see ``_raise_together``)."""
+def _load_units(found, meta, units, names, entries, elementwise: dict) -> dict:
+    """Each unit's chunks into its shard, then its elementwise state one key at a time (one
+    kind of chunk held at once). Returns the new state ``{param: {key: this rank's piece}}``
+    (views into one buffer per unit and key) and under None this rank's read failure, if any."""
     aliases: dict = {}  # every name of each piece (tied parameters have several)
     for k, t in entries.items():
         if registry.is_piece(t):
@@ -208,9 +196,9 @@ def _load_units(found, meta, units, names, entries, elementwise, with_optim: boo
     state: dict = {}
     # (names.get: a piece no module holds, a tie made after sharding, has no name, no state)
     for unit in units:
-        keys = sorted({k for p in unit.params for k in elementwise.get(names.get(p), ())}
-                      if with_optim else ())
-        shard = _read_unit(found, meta, unit, lambda p: [("model", k) for k in aliases.get(p, ())], state)
+        keys = sorted({k for p in unit.params for k in elementwise.get(names.get(p), ())})
+        shard = _read_unit(found, meta, unit, lambda p: [("model", k) for k in aliases.get(p, ())],
+                           state)
         unit.wait_unshard()  # stages 1/2: a gather of the old shard must not land after this
         unit.sharded.copy_(shard)
         unit.shard_changed()  # stages 1/2 re-gather their full parameters, stage 3 drops them
@@ -248,8 +236,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
             reader.read(template, found, alone=True)
         except Exception as e:  # noqa: BLE001 (told to every rank once all units are done)
             state[None] = f"{type(e).__name__}: {e}"
-    del template
-    return chunks_to_flat(unit, [_local(c) if c is not None else None for c in chunks])
+    return chunks_to_flat(unit, [local_tensor(c) if c is not None else None for c in chunks])
 
 
 def _raise_together(ctx: CommContext, ckpt: str, failure: str | None) -> None:
@@ -261,27 +248,20 @@ def _raise_together(ctx: CommContext, ckpt: str, failure: str | None) -> None:
                            f"({failed[0][1]}); the model is partly loaded: load again")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _checked_optim(ckpt: str, saved: dict) -> list:
     """The optimizer's param groups as DCP loaded them, refused by name unless each is a dict
     of options with its ``params`` a list of parameter names."""
-    groups = saved.get("param_groups")
-    problem: str | None = None
-    if not isinstance(groups, list) or not groups:
-        problem = f"its param_groups are a {type(groups).__name__}, not a list of groups"
-    else:
-        problem = next((f"param group {i} is a {type(g).__name__}, not a dict" if not isinstance(g, dict)
-                        else f"param group {i}'s params are not a list of parameter names"
-                        for i, g in enumerate(groups)
-                        if not isinstance(g, dict) or not isinstance(g.get("params"), list)
-                        or not all(isinstance(n, str) for n in g["params"])), None)
-    if problem:
-        raise RuntimeError(f"checkpoint {ckpt} is corrupt: its optimizer's {problem}; load an "
-                           "earlier checkpoint")
-    assert isinstance(groups, list)
+    groups: Any = saved.get("param_groups")
+    problems = [f"its param_groups are a {type(groups).__name__}, not a list of groups"]
+    if isinstance(groups, list) and groups:
+        problems = [f"param group {i} is a {type(g).__name__}, not a dict"
+                    if not isinstance(g, dict) else f"param group {i}'s params are not a list of parameter names"
+                    for i, g in enumerate(groups)
+                    if not isinstance(g, dict) or not isinstance(g.get("params"), list)
+                    or not all(isinstance(n, str) for n in g["params"])]
+    if problems:
+        raise RuntimeError(f"checkpoint {ckpt} is corrupt: its optimizer's {problems[0]}; load "
+                           "an earlier checkpoint")
     return groups
 
 
@@ -308,9 +288,8 @@ def _groups(optimizer, names, saved_groups) -> list:
 
 def _load_optim(optimizer, names, saved_state: dict, pieces: dict, elementwise, groups) -> None:
     """torch's positional optimizer state dict for our pieces, loaded in one call."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
-    for i, p in enumerate(params):
+    for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
         kept = {k: v for k, v in saved_state.get(names[p], {}).items()
                 if k not in elementwise.get(names[p], ())}
         if kept or p in pieces:

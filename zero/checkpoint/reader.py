@@ -33,6 +33,7 @@ import os
 import pickle
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from zero.checkpoint import safe_pickle
+from zero.checkpoint import safe_pickle, validate
 from zero.checkpoint.validate import open_regular
 from zero.checkpoint.safe_pickle import ADVICE, UntrustedCheckpointError
 
@@ -227,6 +228,41 @@ def _reason(e: Exception) -> str:
     skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
     lines = [line.strip().split(". Please")[0] for line in str(e).splitlines()]
     return "; ".join(line for line in lines if line and not line.startswith(skip)) or type(e).__name__
+
+
+def template(meta: Metadata, wanted: Callable[[tuple], bool], start: dict | None = None,
+             device=None) -> dict:
+    """What ``read`` fills: for each entry whose path is ``wanted``, an empty tensor of its
+    size and dtype, or None for a value stored as bytes (set into ``start``, if given). What
+    it allocates, ``zero/checkpoint/validate.py``'s checks have bounded by the files."""
+    out: dict = {} if start is None else start
+    for key, md in meta.state_dict_metadata.items():
+        path = meta.planner_data[key]
+        if wanted(path):
+            set_element(out, path, torch.empty(md.size, dtype=md.properties.dtype, device=device)
+                        if isinstance(md, TensorStorageMetadata) else None)
+    return out
+
+
+def read_model(ckpt: str) -> dict:
+    """Every entry under "model" of the checkpoint ``ckpt``, whole, on the CPU (``export``):
+    checked as ``load`` checks, and read by this process alone."""
+    meta, _ = validate.read_metadata(ckpt)
+    tops = sorted({str(path[0]) for path in meta.planner_data.values()})
+    if "model" not in tops:  # (an error, not an empty file)
+        raise ValueError(
+            f"{ckpt} holds no 'model' entry (its top-level keys: {validate.few(tops)}): export "
+            "writes the model that zero.save and FSDP2 users save as dcp.save({'model': ..., "
+            "'optim': ...}). Save the model's state dict under the key 'model'")
+    validate.check_files(ckpt, meta)
+    found = Reader(ckpt, meta)
+    try:
+        found.prepare([i for i in meta.storage_data if meta.planner_data[i.fqn][0] == "model"])
+        whole = template(meta, lambda path: path[0] == "model", device="cpu")
+        read(whole, found, alone=True)
+    finally:
+        found.close()
+    return whole["model"]
 
 
 def read(template: dict, reader: Reader, alone: bool = False) -> None:

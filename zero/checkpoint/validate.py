@@ -38,7 +38,8 @@ def read_metadata(ckpt: str) -> tuple[Metadata, str]:
     """``.metadata``, read without running code and checked for everything DCP relies on; and
     a fingerprint of its bytes (ranks compare it: they must read the same checkpoint)."""
     file = os.path.join(ckpt, ".metadata")
-    data = read_regular(file, ckpt)
+    with os.fdopen(open_regular(file, ckpt), "rb") as f:  # (no FIFO blocks us)
+        data = f.read()
     try:
         meta = safe_pickle.load_metadata(data, file)
     except safe_pickle.UntrustedCheckpointError:
@@ -57,13 +58,6 @@ def read_metadata(ckpt: str) -> tuple[Metadata, str]:
     return meta, hashlib.sha256(data).hexdigest()
 
 
-def read_regular(file: str, ckpt: str) -> bytes:
-    """The bytes of ``file``, a regular file (checked on the open file: no FIFO blocks us)."""
-    fd = open_regular(file, ckpt)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
-
-
 def open_regular(file: str, ckpt: str) -> int:
     """``file`` opened for reading, refused unless it is a regular file (symlinks followed).
 
@@ -75,10 +69,9 @@ def open_regular(file: str, ckpt: str) -> int:
     except FileNotFoundError:
         raise vanished(ckpt) if not os.path.isdir(ckpt) else FileNotFoundError(
             f"{file} is missing: the checkpoint is incomplete; load an earlier one") from None
-    if kind := _not_regular(os.fstat(fd)):
+    if error := _not_regular(os.fstat(fd), file):
         os.close(fd)
-        raise RuntimeError(f"{file} is {kind}, not a regular file: a checkpoint's files are "
-                           "plain files (reading this one could block forever); load another")
+        raise error
     return fd
 
 
@@ -91,12 +84,15 @@ def vanished(ckpt: str) -> FileNotFoundError:
         "the time of a whole save to finish")
 
 
-def _not_regular(st: os.stat_result) -> str | None:
+def _not_regular(st: os.stat_result, where: str) -> RuntimeError | None:
+    """The error for ``where``, unless ``st`` is a regular file's."""
     if stat.S_ISREG(st.st_mode):
         return None
     kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
-    return next((name for test, name in kinds if test(st.st_mode)), "a special file")
+    kind = next((name for test, name in kinds if test(st.st_mode)), "a special file")
+    return RuntimeError(f"{where} is {kind}, not a regular file: a checkpoint's files are plain "
+                        "files (reading this one could block forever); load another")
 
 
 def _malformed(meta) -> str | None:
@@ -216,15 +212,13 @@ def _overlapping(boxes: list[tuple[tuple, tuple]]) -> tuple | None:
 
 
 def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dict:
-    """Raise, naming keys and shapes, unless the checkpoint is complete and fits the model.
-
-    Returns ``{param name: [elementwise optimizer state keys]}`` (state shaped like the param).
-    """
+    """Raise, naming keys and shapes, unless the checkpoint is complete and fits the model;
+    returns ``{param name: [its elementwise optimizer state keys]}`` (shaped like the param)."""
     md = meta.state_dict_metadata
     if not any(k.startswith("model.") for k in md) and any(k in shapes for k in md):
         # torchtitan's layout: keys its own state-dict converters choose (llama3's wqkv saved
         # as wq, wk, wv), the optimizer flattened under "optimizer".
-        top = _few(sorted(k for k in md if k in shapes))
+        top = few(sorted(k for k in md if k in shapes))
         raise ValueError(
             f"checkpoint {ckpt} holds the model's entries at the top level ({top}), the "
             "layout torchtitan's CheckpointManager writes, not zero.save's (FSDP2's "
@@ -232,7 +226,7 @@ def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dic
             "torchtitan's CheckpointManager on the model sharded by zero.fully_shard, which "
             "loads it as it would into FSDP2")
     if odd := [k for k in md if k.startswith("model.") and meta.planner_data[k] != ("model", k[6:])]:
-        raise RuntimeError(f"{ckpt}/.metadata is corrupt: {_few(odd)} are not model entries as "
+        raise RuntimeError(f"{ckpt}/.metadata is corrupt: {few(odd)} are not model entries as "
                            "DCP writes them, ('model', name); load an earlier checkpoint")
     size = {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else "bytes"
             for k, v in md.items()}
@@ -263,23 +257,12 @@ def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dic
     problems = [(missing, "missing from the checkpoint"), (wrong, "different shapes"),
                 (extra, "in the checkpoint but not in the model")]
     if any(found for found, _ in problems):
-        lines = [f"  {what}: {_few(found)}" for found, what in problems if found]
+        lines = [f"  {what}: {few(found)}" for found, what in problems if found]
         raise ValueError(f"checkpoint {ckpt} does not fit this model:\n" + "\n".join(lines) +
                          "\nWas it saved from another model or configuration? (The world size and "
                          "stage may differ; the parameters' names and shapes may not.)")
     check_files(ckpt, meta)
     return elementwise
-
-
-def check_has_model(ckpt: str, meta: Metadata) -> None:
-    """``export`` writes what is under "model": a checkpoint without one is an error, not an
-    empty file."""
-    tops = sorted({str(path[0]) for path in meta.planner_data.values()})
-    if "model" not in tops:
-        raise ValueError(
-            f"{ckpt} holds no 'model' entry (its top-level keys: {_few(tops)}): export writes "
-            "the model that zero.save and FSDP2 users save as dcp.save({'model': ..., "
-            "'optim': ...}). Save the model's state dict under the key 'model'")
 
 
 def check_files(ckpt: str, meta: Metadata) -> None:
@@ -296,19 +279,17 @@ def check_files(ckpt: str, meta: Metadata) -> None:
             if not os.path.isdir(ckpt):
                 raise vanished(ckpt) from None
             st = None
-        if st is not None and (kind := _not_regular(st)):
-            raise RuntimeError(f"checkpoint {ckpt}: {name} is {kind}, not a regular file: a "
-                               "checkpoint's files are plain files (reading this one could "
-                               "block forever); load another")
+        if st is not None and (error := _not_regular(st, f"checkpoint {ckpt}: {name}")):
+            raise error
         have = st.st_size if st is not None else -1
         if lacking := sorted({fqn for end, fqn in needs if have < end}):
             short.append(f"{name} ({'missing' if have < 0 else f'{have} bytes'}) lacks the "
-                         f"data of {_few(lacking)}")
+                         f"data of {few(lacking)}")
     if short:
         raise RuntimeError(
             f"checkpoint {ckpt} is truncated: " + "; ".join(short) +
             ". It was cut short (a crash, a full disk, an unfinished copy): load an earlier one")
 
 
-def _few(items: list, n: int = 8) -> str:
+def few(items: list, n: int = 8) -> str:
     return "; ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
