@@ -414,7 +414,10 @@ def emulated_tables(rows, args) -> list[str]:
                 f"kind; overlap: 1 - exposed / the collectives' summed durations. Not emulated: "
                 f"compute slowed by NCCL sharing the SMs and memory bandwidth, launch overhead, "
                 f"the host's own time: it is taken to run ahead of the GPU, every stream's work "
-                f"starting once the waits it was told allow (notes/10-overlap.md).", "",
+                f"starting once the waits it was told allow (notes/10-overlap.md). zero's "
+                f"agreement and used-parameter flags are host metadata, read on the host (a "
+                f"gloo group): off the device's timeline, as the host's time is; priced as on these "
+                f"links they take {_host(rows, spec)} a step (notes/10-overlap.md).", "",
                 "| system | step ms | GPU step ms | compute ms | side streams ms | "
                 + " | ".join(f"exposed {k}" for k in EXPOSED_KINDS)
                 + " | exposed total ms | comm ms | overlap |", "|---" * 12 + "|"]
@@ -435,6 +438,12 @@ def emulated_tables(rows, args) -> list[str]:
         if info.get("plan"):
             out += ["", *plan_beside(rows, spec, info)]
     return out
+
+
+def _host(rows, spec) -> str:
+    """The host metadata's collectives a step (emulated ms, the CPU's scale), per system."""
+    each = [(r["kind"], max(x.get("host", 0.0) for x in r["emulated"][spec])) for r in rows]
+    return ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in each if v) or "nothing"
 
 
 def emulated_targets(rows, spec) -> list[str]:

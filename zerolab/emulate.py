@@ -52,6 +52,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zero.comm import host_side
 from zerolab.cost import Call, Cluster, record_time
 
 COMPUTE = 0  # the computing stream's id in a log
@@ -328,7 +329,11 @@ def _wrap(name: str, real):
                 st.inside -= 1
                 st.resume()
             wid = st.new_id()
-            st.note("issue", wid, _sid(current_stream()), op, nbytes, sent, ranks, bool(async_op))
+            if host_side():  # host metadata (zero's agreement, used flags): off the device
+                st.note("host", wid, op, nbytes, sent, ranks)
+            else:
+                st.note("issue", wid, _sid(current_stream()), op, nbytes, sent, ranks,
+                        bool(async_op))
         return Work(wid, out) if async_op else out
 
     collective.__wrapped__ = real
@@ -459,6 +464,7 @@ class Played:
     side_compute_s: float = 0.0  # compute run on side streams (copy-in...), in the background
     exposed: Counter = field(default_factory=Counter)  # by collective kind
     comm: Counter = field(default_factory=Counter)  # each collective's duration, by kind
+    host: Counter = field(default_factory=Counter)  # host metadata's collectives, by kind
     spans: list = field(default_factory=list)  # (track, name, start, end)
 
     @property
@@ -526,6 +532,9 @@ def play(log: list, net: Network, clock: str = "cpu") -> Played:
             out.spans.append((track, op, start, finish))
             if not async_op:
                 wait(s, finish, op)
+        elif what == "host":  # (its waits find no work: the host, taken ahead, pays them)
+            _, wid, op, nbytes, sent, ranks = entry
+            out.host[op] += net.seconds(op, nbytes, sent, ranks)
         elif what == "record":
             _, s, e = entry
             events[e] = at(s)
@@ -688,5 +697,6 @@ def summarize(logs_by_rank: list[list[list]], net: Network, clock: str = "cpu") 
         "comm": {k: _median([p.comm.get(k, 0.0) for p, _, _ in steps]) for k in kinds},
         "comm_s": _median([p.comm_s for p, _, _ in steps]),
         "overlap": _median([p.overlap for p, _, _ in steps]),
+        "host": _median([float(sum(p.host.values())) for p, _, _ in steps]),
         "trace": (steps[mid][2], steps[mid][1]),
     }

@@ -6,6 +6,7 @@ import torch
 from conftest import sample
 from harness import run_ranks
 from zero import comm
+from zero.comm.backend import TorchBackend
 
 
 def _collectives(rank, n):
@@ -224,3 +225,67 @@ def test_a_collective_that_fails_early_says_so_not_that_it_waited_the_bound():
     assert "failed after 0.0 s, before the 20 s bound" in message and "died" in message
     assert "run again with ZERO_CHECK=1" in message
     assert "waited 20 s" not in message
+
+
+# ---- host metadata: on a gloo group of the same ranks where the group moves device memory ---
+
+
+class _DeviceOnly(TorchBackend):
+    """torch.distributed as on a group that moves only device memory (NCCL's), on gloo."""
+
+    def name(self, group=None) -> str:
+        return "device-only"
+
+
+def _host_twin(rank, n, disagree):
+    import zero
+    from zero.comm import backend
+    from zerolab.models import GPT, GPTConfig
+
+    backend._moves_host_memory = lambda pg: False  # (gloo has a CPU backend: say it has not)
+    out = {}
+    for kind in ("twin", "default"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8))
+        for unit in model.units():  # (the backend is the root's to give)
+            given = _DeviceOnly() if kind == "twin" and unit is model else None
+            zero.shard(unit, stage=3, backend=given)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ctx = zero.units_of(model)[0].root.context
+        with comm.Ledger() as ledger:
+            for s in range(2):
+                x, y = model.batch(2, torch.Generator().manual_seed(10 * s + rank))
+                if disagree and kind == "twin" and s == 1 and rank == 1:
+                    with torch.no_grad():
+                        model(x)  # a forward the other rank does not run under no_grad
+                model.loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        host, _ = ctx.host(None)
+        out[kind] = {"params": [p.detach().clone() for p in model.parameters()],
+                     "separate": host is not None,
+                     "groups": sorted({(r.op, r.group) for r in ledger.records
+                                       if r.op in ("agree", "all_reduce")})}
+    return out
+
+
+def test_host_metadata_goes_through_a_gloo_twin_where_the_group_moves_only_device_memory():
+    for out in run_ranks(_host_twin, 2, False):
+        assert out["twin"]["separate"] and not out["default"]["separate"]
+        assert all(torch.equal(a, b) for a, b in zip(out["twin"]["params"],
+                                                    out["default"]["params"]))
+        assert out["twin"]["groups"] == out["default"]["groups"] == [
+            ("agree", "world"), ("all_reduce", "world")]
+
+
+def _twin_disagreement(rank, n):
+    try:
+        _host_twin(rank, n, True)
+    except comm.Disagreement as e:
+        return str(e)
+    return "trained"
+
+
+def test_ranks_that_disagree_on_the_twin_both_raise():
+    said = run_ranks(_twin_disagreement, 2)
+    assert all("the ranks took different paths" in s and "no_grad" in s for s in said), said

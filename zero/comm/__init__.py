@@ -20,9 +20,10 @@ from zero.comm.agree import AgreementTimeout, Disagreement, agree, checking, rai
 from zero.comm.collectives import (all_gather, all_gather_object, all_reduce, all_to_all,
                                    broadcast, reduce_scatter)
 from zero.comm.context import CommContext, context_of
-from zero.comm.ledger import Ledger, Record
+from zero.comm.ledger import Ledger, Record, host_side, on_host
 from zero.comm.waits import CollectiveTimeout
 
 __all__ = ["AgreementTimeout", "CollectiveTimeout", "CommContext", "Disagreement", "Ledger",
            "Record", "agree", "all_gather", "all_gather_object", "all_reduce", "all_to_all",
-           "broadcast", "checking", "context_of", "raising_together", "reduce_scatter"]
+           "broadcast", "checking", "context_of", "host_side", "on_host", "raising_together",
+           "reduce_scatter"]

@@ -21,6 +21,7 @@ import os
 import torch
 
 from zero.comm import ledger, objects, waits
+from zero.comm.ledger import on_host
 
 
 def checking() -> bool:
@@ -45,17 +46,20 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
     """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
     if they do not all say the same. ``fix`` ends the message: how to make the ranks agree.
     ``ctx``: the ``CommContext`` to agree through (it counts the agreements: ranks must count
-    alike)."""
+    alike). It goes through ``ctx.host(group)``, on the host (``device`` is not used: kept for
+    callers written before)."""
     if ctx.alone(group) or ctx.simulated(group):
         return
+    group, device = ctx.host(group)  # (on the host: reading the result syncs no device)
     seq = ctx.next_agreement(group)
-    n, device = ctx.world_size(group), device or ctx.default_device(group)
+    n = ctx.world_size(group)
     mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
     every = torch.empty(2 * n, dtype=torch.int64, device=device)
     name = ctx.issued(f"agreement #{seq}: {what}", group)
     rec = ledger.record("agree", every, 1.0, group, "", "agree", ctx)
     # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
-    work = ctx.backend.all_gather(every, mine, group=group, async_op=True)
+    with on_host():
+        work = ctx.backend.all_gather(every, mine, group=group, async_op=True)
     try:
         waits.wait(work, name, group, ctx, always=True)  # bounded everywhere: read at once
     except waits.CollectiveTimeout as e:

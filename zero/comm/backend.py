@@ -13,8 +13,12 @@ moves no data, lives where they are made (notes/15 lists it).
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
+
+from zero.comm import waits
 
 
 def _all_gather_flat(*args, **kwargs):
@@ -40,6 +44,15 @@ OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.
 # bounded (zero/comm/waits.py).
 _BOUNDED = ("gloo", "fake")  # backends whose wait(timeout) does not block on the device
 _IGNORED = {("gloo", "reduce_scatter")}  # ... but whose wait ignores the timeout for this op
+
+
+def _moves_host_memory(pg) -> bool:
+    """Whether ``pg`` has a backend for CPU tensors (gloo's, or a multi-backend group's)."""
+    try:
+        pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    return True
 
 
 class TorchBackend:
@@ -94,6 +107,19 @@ class TorchBackend:
         """``src`` is a rank of ``group``."""
         return dist.broadcast(tensor, src=self.global_rank(group, src), group=group,
                               async_op=async_op)
+
+    def host_group(self, group):
+        """A group of ``group``'s ranks that moves host memory (``CommContext.host``): ``group``
+        itself where it has a CPU backend too (``init_process_group("cpu:gloo,cuda:nccl")``,
+        torch's default on an accelerator), else a new gloo group, bounded by ``ZERO_TIMEOUT``
+        where it waits for the other ranks to join."""
+        pg = group if group is not None else dist.group.WORLD
+        if _moves_host_memory(pg):
+            return group
+        seconds = waits.timeout_seconds() or 1800.0  # (0: torch's default, 30 minutes)
+        return dist.new_group(dist.get_process_group_ranks(pg), backend="gloo",
+                              timeout=datetime.timedelta(seconds=seconds),
+                              use_local_synchronization=True)
 
     def bounded_wait(self, group, op: str) -> str:
         """How a wait on this collective can be bounded (the note above): "timeout" (the

@@ -124,6 +124,7 @@ class CommContext:
         self._counts: dict = {}  # group -> collectives this rank issued on it
         self._sequences: dict = {}  # group -> agreements so far: the ranks must count alike
         self._streams: dict = {}  # device -> its Streams, made at the first collective there
+        self._hosts: dict = {}  # group -> (group, device) for host metadata (``host``)
         self.last: collections.deque = collections.deque(maxlen=3)  # the last few issued
 
     def __repr__(self) -> str:
@@ -148,6 +149,22 @@ class CommContext:
 
     def default_device(self, group=None) -> torch.device:
         return self.backend.default_device(group)
+
+    def host(self, group=None) -> tuple:
+        """``(group, device)`` for host metadata (the note on the host side): ``group`` on the
+        CPU where its backend moves host memory; else the backend's ``host_group`` (made once
+        here, at the first agreement, which every rank of ``group`` reaches together in
+        ``zero.shard``), or, for a backend without one, ``group`` on its own device."""
+        key = self._key(group)
+        if key not in self._hosts:
+            make = getattr(self.backend, "host_group", None)
+            if self.backend.name(group) in ("gloo", "fake") or make is None:
+                self._hosts[key] = (group, self.default_device(group))
+            else:  # (named as ``group`` in the ledger)
+                twin = make(group)
+                self._names.setdefault(self._key(twin), self.group_name(group))
+                self._hosts[key] = (twin, torch.device("cpu"))
+        return self._hosts[key]
 
     def streams(self, device: torch.device) -> Streams:
         """The device's streams for the collectives (the module note), made once."""

@@ -18,6 +18,7 @@ record's ``done`` is filled in when this rank's ``wait()`` for it returns.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from dataclasses import dataclass
@@ -28,6 +29,31 @@ import torch
 # The ledgers active here: a context variable (each thread of execution its own; work done
 # for this code on another thread runs in a copy of its context, as disk offload's I/O does).
 _ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_ledgers", default=())
+
+# [Note: host side] Two collectives carry only what the host already knows: the agreement
+# (``zero/comm/agree.py``: fingerprints of what each rank is about to do) and, at the end of
+# backward, which parameters each rank's backward reached. They go through ``host(group)``: on
+# gloo the group itself, on the CPU; on a group that moves only device memory (NCCL) a gloo
+# group of the same ranks, made once, so that reading their result never waits for the
+# device's queued work (a device tensor read by the host would: a sync each step, which DDP and
+# FSDP2 do not make). ``on_host()`` marks them, for a tool that times the device's streams
+# (``zerolab/emulate.py`` leaves them off the device's timeline).
+_ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("zero_on_host", default=False)
+
+
+@contextlib.contextmanager
+def on_host():
+    """What is issued inside carries host metadata (the note on the host side)."""
+    token = _ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
+
+
+def host_side() -> bool:
+    """Whether the collective being issued now is host metadata (``on_host``)."""
+    return _ON_HOST.get()
 
 
 @dataclass

@@ -337,15 +337,17 @@ class Root:
         self.reductions.finish(synced)
         self.deferred = []
         # A parameter unused on this rank may be used on another: agree on "used" (max),
-        # like DDP's find_unused_parameters, with one small all-reduce per backward, in flight
-        # while the last reduce-scatters end.
+        # like DDP's find_unused_parameters, with one small all-reduce per backward, on the
+        # host (the note on the host side in zero/comm/ledger.py), in flight while the last
+        # reduce-scatters end.
         used = [f for u in synced for f in u.grads.used]
         flags = work = None
         if used and not self.context.simulated(self.unit.mesh.group):
-            flags = torch.tensor(used, dtype=torch.uint8, device=self.unit.unsharded.device)
-            # (F,) -> (F,): 1 where any rank's backward reached the parameter
-            work = self.context.all_reduce(flags, op="max", group=self.unit.mesh.all_group,
-                                           unit="root", phase="backward", async_op=True)
+            group, device = self.context.host(self.unit.mesh.all_group)
+            flags = torch.tensor(used, dtype=torch.uint8, device=device)
+            with comm.on_host():  # (F,) -> (F,): 1 where any rank's backward reached it
+                work = self.context.all_reduce(flags, op="max", group=group, unit="root",
+                                               phase="backward", async_op=True)
         self.reductions.wait(synced)
         if work is not None and flags is not None:
             work.wait()
