@@ -369,10 +369,9 @@ def simulate(spec: str, kind: str, n: int, batch: int, seq: int, mp: bool = Fals
     # forward opens with (zero/comm/agree.py: every rank's 2 int64, all-gathered), are added
     # by those rules (the flags in _row, extended with the blocks; ZERO_CHECK=1 agrees before
     # every collective too: not counted, it is a debugging mode)
+    # Both are host metadata (a gloo group where the group moves only device memory): off
+    # the device's timeline, as the host's own time is, so nothing exposed for them here.
     flags = sum(len(u.params) for u in zero.units_of(model)) if kind.startswith("zero") else None
-    if flags is not None:
-        start = [Call("agree", 16 * n, 16 * (n - 1), "world", n)]  # (for the time only: the
-        end = [Call("all_reduce", flags, flags * 2 * (n - 1) / n, "world", n)]  # bytes in _row)
     forward = [op for k, ops in seg.ops.items() if k[0] == "forward" for op in ops]
     every = [op for ops in seg.ops.values() for op in ops]
     return {"flags": flags, "segments": seg.out, "depth": len(model.block_names), "sent": sent,
