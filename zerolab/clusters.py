@@ -20,6 +20,11 @@ sparsity).
   backend: 35% of an H100's peak (Shah et al., "FlashAttention-3", 2024, abstract), 50-73% of an
   A100's (Dao, "FlashAttention-2", 2023, abstract; the plan takes 50%, the backward, the larger
   part, being the slower). B200 and MI300X: no published figure used; the H100's is assumed;
+- ``kernel`` (``--attention-kernel``): the attention kernel a run used, where it is not
+  FlashAttention-2. ``triton``, FlashAttention in Triton (the kernel behind MPT's
+  ``attn_impl: triton``, llm-foundry's default in 2023, run on the pre-MLIR Triton compiler):
+  FlashAttention-2 is 1.3-1.5x faster forward and about 2x faster backward (Dao,
+  "FlashAttention-2", 2023, section 4.1), so 1/1.4 and 1/2 of FlashAttention-2's rate;
 - ``hbm``: a coalesced streaming read on an H100 SXM measured 2.8 of the rated 3.35 TB/s, 84%
   (mikamirai.com/blog/gpu-memory-bandwidth, Nsight Compute, 2026); the same share is assumed
   for every GPU;
@@ -163,9 +168,12 @@ PRESETS = {
 
 def preset(name: str, memory_gb: float | None = None, tflops: float | None = None,
            intra_gbs: float | None = None, inter_gbs: float | None = None,
-           gpus_per_node: int | None = None) -> Preset:
-    """A preset with any of its figures replaced (None keeps the preset's)."""
+           gpus_per_node: int | None = None, attention: str | None = None) -> Preset:
+    """A preset with any of its figures replaced (None keeps the preset's); ``attention``
+    names the attention kernel the run used (``roofline.ATTENTION_KERNELS``)."""
     p = PRESETS[name]
+    if attention is not None:
+        p = replace(p, device=replace(p.device, attention_kernel=attention))
     links = {k: v for k, v in dict(intra_gbs=intra_gbs, inter_gbs=inter_gbs,
                                    ranks_per_node=gpus_per_node).items() if v is not None}
     if links:

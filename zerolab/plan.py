@@ -72,7 +72,7 @@ MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 MAX_MODULES, MAX_WORLD_SIZE = 2000, 1_000_000
 SAMPLE = (3, 4)  # the depths simulated when the blocks are alike
 CAUSES = {"rated": "rated peak s", "mamf": "matmuls' maximum", "waves": "tile waves",
-          "attention": "attention kernel", "hbm": "achieved HBM", "launch": "launches",
+          "attention": "attention kernel", "kernel": "run's own attention", "hbm": "achieved HBM", "launch": "launches",
           "power": "power limit", "contention": "beside collectives",
           "exposed": "exposed comm"}  # --explain's columns (steptime.explain's keys)
 
@@ -555,7 +555,7 @@ def warnings_for(info: dict, systems, n: int) -> list[str]:
 def plan(args) -> tuple[dict, list[dict]]:
     """What MODEL is, and every system's row, cheapest that fits first."""
     p = preset(args.cluster, args.memory_gb, args.tflops, args.intra_gbs, args.inter_gbs,
-               args.gpus_per_node)
+               args.gpus_per_node, getattr(args, "attention_kernel", None))
     gpn = p.cluster.ranks_per_node
     info = check(args.model, args.world_size, args.activation_checkpointing, args.exact,
                  args.seq, args.wrap_policy)
@@ -596,7 +596,8 @@ def plan(args) -> tuple[dict, list[dict]]:
 
 def predict(model: str, systems, world_size: int, batch: int, seq: int,
             mixed_precision: bool = False, cluster: str = "dgx-h100",
-            wrap: str | None = None, checkpoint: bool = False) -> list[dict]:
+            wrap: str | None = None, checkpoint: bool = False,
+            attention: str | None = None) -> list[dict]:
     """The plan's rows for these systems, as ``benchmarks/compare_stages.py --model`` asks."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -604,12 +605,13 @@ def predict(model: str, systems, world_size: int, batch: int, seq: int,
                               str(batch), "--seq", str(seq), "--cluster", cluster])
     args.mixed_precision, args.systems = mixed_precision, list(systems)
     args.wrap_policy, args.activation_checkpointing = wrap, checkpoint or None
+    args.attention_kernel = attention
     return plan(args)[1]
 
 
 def table(info: dict, rows: list[dict], args) -> list[str]:
     p = preset(args.cluster, args.memory_gb, args.tflops, args.intra_gbs, args.inter_gbs,
-               args.gpus_per_node)
+               args.gpus_per_node, getattr(args, "attention_kernel", None))
     how = ("simulated at 3 and 4 blocks and extended (they are alike)" if info["extend"] else
            "every block simulated")
     units = (f"{info['blocks']} blocks ({info['block_class']} in {info['block_list']}), one unit "
@@ -626,6 +628,10 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
                  else ", fp32 (TF32 matmuls)")
     r0 = rows[0]
     run_flops = r0["flops_per_rank_per_step"] / (args.batch * args.seq)
+    fwd, bwd = roofline.ATTENTION_KERNELS[d.attention_kernel]
+    kernel = ("" if d.attention_kernel == "flash2" else
+              f"; the run's {d.attention_kernel} kernel at {fwd:.2f} of its rate forward, "
+              f"{bwd:.2f} backward")
     out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}.{cache}",
            f"Batch {args.batch} x seq {args.seq} per rank{precision}"
            f"{f', {ac} activation checkpointing' if ac else ''}; {args.world_size} ranks.",
@@ -633,8 +639,8 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
            f"GPU time ({d.name}): matmuls at {100 * d.matmul_efficiency:.1f}% of "
            f"{p.tflops(args.mixed_precision):g} TFLOPS (measured maximum) by their tiles' waves "
            f"on {d.sms} SMs, attention at {100 * d.attention_efficiency:.0f}% (FlashAttention-2, "
-           f"measured), the rest at {100 * d.memory_efficiency:.0f}% of {d.memory_tbs:g} TB/s "
-           f"(measured), {d.launch_us:g} us a kernel at least"
+           f"measured{kernel}), the rest at {100 * d.memory_efficiency:.0f}% of "
+           f"{d.memory_tbs:g} TB/s (measured), {d.launch_us:g} us a kernel at least"
            f"{f', clocks at {100 * d.clock_factor:.1f}% (power limit)' if d.clock_factor != 1 else ''}"
            f", {100 * d.comm_slowdown:.1f}% slower beside a collective{scale}; collectives "
            f"priced as NCCL picks them (zerolab/cost.py) and overlapped as each system "
@@ -704,6 +710,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-gbs", type=float, default=None,
                    help="one NIC's line rate, GB/s each way (a node's channels spread over "
                         "its NICs) (default: the preset's)")
+    p.add_argument("--attention-kernel", choices=sorted(roofline.ATTENTION_KERNELS), default=None,
+                   help="the attention kernel the run uses: flash2 (FlashAttention-2, the "
+                        "presets'), or triton (FlashAttention in Triton, MPT's attn_impl: "
+                        "triton) (default: flash2)")
     p.add_argument("--efficiency", type=float, default=1.0,
                    help="multiply every achievable compute rate by this: your measured compute "
                         "time over the plan's (default: %(default)s, the preset's sources)")

@@ -28,7 +28,10 @@ what each costs:
 - ``waves``: tile and wave quantization by shape: cuBLAS splits the output into tiles of
   256 x 128 and runs them in waves of one tile an SM; a partial tile or a last partial wave
   costs as much as a full one (NVIDIA, "Matrix Multiplication Background User's Guide");
-- ``attention``: attention at its kernel's measured share of the peak;
+- ``attention``: attention at its kernel's measured share of the peak (FlashAttention-2's);
+- ``kernel``: the attention kernel the run really used, where it is not FlashAttention-2
+  (``ATTENTION_KERNELS``: MosaicML's MPT runs used FlashAttention in Triton, slower forward and
+  backward by the ratios FlashAttention-2's paper measured);
 - ``hbm``: memory-bound operators at the bandwidth a streaming kernel measures, not the rated;
 - ``launch``: no kernel takes less than its launch (eager mode launches every operator);
 - ``power``: the clocks a power limit allows, where the preset's source says the GPUs ran
@@ -84,6 +87,7 @@ class Op:
     low_precision: bool  # bf16/fp16 inputs (else fp32: TF32 tensor cores for matmuls)
     dense_flops: float = 0.0  # attention's FLOPs as if not causal (how model FLOPs count them)
     shape: tuple[int, int, int] = (0, 0, 0)  # a matmul's (batch, rows, columns) of output
+    backward: bool = False  # an attention kernel's backward (its own efficiency)
 
 
 def _tensors(x):
@@ -167,7 +171,7 @@ def cost_of(func, args, kwargs, out, host: torch.device | None = None) -> Op | N
     if func in _ATTENTION:
         moved = _nbytes(inputs) + _nbytes(outputs)
         flops, dense = _attention(func, args, kwargs)
-        return Op("attention", flops, moved, low, dense)
+        return Op("attention", flops, moved, low, dense, backward=_ATTENTION[func])
     packet = func._overloadpacket
     if packet in flop_registry:
         flops = float(flop_registry[packet](*args, **(kwargs or {}), out_val=out))
@@ -217,7 +221,12 @@ class OpCosts(TorchDispatchMode):
         return out
 
 
-EFFECTS = ("mamf", "waves", "attention", "hbm", "launch", "power", "contention")
+EFFECTS = ("mamf", "waves", "attention", "kernel", "hbm", "launch", "power", "contention")
+# An attention kernel's throughput over FlashAttention-2's, (forward, backward). "triton":
+# FlashAttention in Triton (HazyResearch's flash_attn_triton.py, the kernel of MPT's
+# attn_impl: triton): FlashAttention-2 is 1.3-1.5x faster forward and about 2x faster backward
+# (Dao, "FlashAttention-2", 2023, section 4.1; the plan takes 1.4 and 2).
+ATTENTION_KERNELS = {"flash2": (1.0, 1.0), "triton": (1 / 1.4, 1 / 2.0)}
 TILE = (256, 128)  # cuBLAS's output tile for large half-precision GEMMs (NVIDIA's matmul guide)
 
 
@@ -235,6 +244,7 @@ class Device:
     sms: int = 132  # streaming multiprocessors (a wave is one tile on each)
     memory_efficiency: float = 1.0  # a streaming kernel's bandwidth / rated, measured
     launch_us: float = 0.0  # the least a kernel takes in eager mode
+    attention_kernel: str = "flash2"  # ATTENTION_KERNELS: the kernel the run used
     clock_factor: float = 1.0  # the peak under the run's power limit / rated
     comm_slowdown: float = 0.0  # compute's slowdown while a collective runs
 
@@ -278,6 +288,8 @@ class Roofline:
             return max(op.flops / rate, memory, floor)
         if op.kind == "attention":
             rate = peak * (d.attention_efficiency if "attention" in on else 1.0)
+            if "kernel" in on:  # the run's own kernel, against FlashAttention-2
+                rate *= ATTENTION_KERNELS[d.attention_kernel][op.backward]
             return max(op.flops / rate, memory, floor)
         if op.kind == "host":
             return op.bytes / (self.host_gbs * 1e9)

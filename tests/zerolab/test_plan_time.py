@@ -11,7 +11,7 @@ import math
 import pytest
 
 from zerolab import cost
-from zerolab.clusters import PRESETS
+from zerolab.clusters import PRESETS, preset
 from zerolab.cost import Call, bus_gbs, nccl_time, record_time
 from zerolab.roofline import EFFECTS, Device, Op, Roofline, wave_efficiency
 
@@ -95,6 +95,23 @@ def test_each_effect_is_its_sources_size_and_can_be_left_out():
     every = Roofline(GPU)  # all of them at once, the default
     assert every.effects == frozenset(EFFECTS)
     assert every.seconds(square) == pytest.approx(0.02 / 0.9)
+
+
+def test_the_runs_own_attention_kernel():
+    """FlashAttention in Triton (MPT's attn_impl: triton): FlashAttention-2's paper measured it
+    1.3-1.5x slower forward and about 2x slower backward; flash2 (the presets') costs nothing."""
+    from dataclasses import replace
+
+    forward = Op("attention", 1e12, 0, True)
+    backward = Op("attention", 2.5e12, 0, True, backward=True)
+    triton = Roofline(replace(GPU, attention_kernel="triton"),
+                      effects=frozenset({"attention", "kernel"}))
+    assert triton.seconds(forward) == pytest.approx(0.04 * 1.4)
+    assert triton.seconds(backward) == pytest.approx(0.1 * 2.0)
+    flash2 = Roofline(GPU, effects=frozenset({"attention", "kernel"}))
+    assert flash2.seconds(backward) == pytest.approx(0.1)
+    assert preset("dgx-h100", attention="triton").device.attention_kernel == "triton"
+    assert preset("dgx-h100").device.attention_kernel == "flash2"
 
 
 def test_explain_adds_up_to_the_step(tmp_path, capsys):
