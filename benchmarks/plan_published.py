@@ -1,6 +1,6 @@
 """The plan's time held against published FSDP training runs it was not built from.
 
-    python benchmarks/plan_published.py              # 19 runs, ~2 min on 2 CPUs
+    python benchmarks/plan_published.py              # 22 runs, ~2 min on 2 CPUs
     python benchmarks/plan_published.py --only 13b   # the rows whose name holds "13b"
 
 Each row is a run someone published: its model, GPUs, local batch, sequence, activation
@@ -39,6 +39,17 @@ How each is planned, and what differs:
   its optimizer step over the accumulation (under 2% on these rows).
 - llm-foundry's "PURE" mixed precision (the A100 40 GB table) reduces in bf16; the plan
   reduces in fp32 (``--mixed-precision``): twice the reduce-scatter bytes, mostly hidden.
+- MPT attends with ``attn_impl: triton`` (the yamls, and ``submit_benchmarks.py``'s default):
+  FlashAttention in Triton, on the pre-MLIR Triton compiler (``triton-pre-mlir``, llm-foundry
+  v0.3.0's ``setup.py``; the kernel's own header: "only been tested on A100"). The plan runs
+  these rows with ``--attention-kernel triton``: FlashAttention-2's paper (section 4.1) measured
+  it 1.3-1.5x slower forward and about 2x slower backward than FlashAttention-2.
+- What ran (llm-foundry's own ``h100new.md``, the same rows with their image; ``sweep.sh``):
+  torch 2.1 nightly of 2023-08-27 with CUDA 12.1 (``mosaicml/pytorch:2.1.0_cu121-nightly
+  20230827``), llm-foundry v0.3.0, Composer 0.16 (FSDP1: ``backward_prefetch`` BACKWARD_POST,
+  ``limit_all_gathers``, no ``torch.compile``), mixed precision DEFAULT: Composer's of that time
+  (March to October 2023) gathers in bf16 and leaves ``reduce_dtype`` unset, so FSDP1 reduces in
+  bf16 too; the plan reduces in fp32 (mostly hidden: the exposed column).
 - llm-foundry does not say its H100s' network; the ``dgx-h100`` preset (8 x 400 Gb/s a node)
   is assumed. Its A100 tables say 1,600 Gb/s a node: the DGX A100 presets' 8 x 200 Gb/s.
 
@@ -63,8 +74,8 @@ import report  # noqa: E402
 TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3"
 TITAN_A100 = "torchtitan docs/performance.md, 64 A100 80GB, FSDP2"
 FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
-MPT = {"3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
-       "30b": (7168, 48, 64), "70b": (8192, 80, 64)}  # llm-foundry's yamls: d_model, layers, heads
+MPT = {"1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
+       "30b": (7168, 48, 56), "70b": (8192, 80, 64)}  # llm-foundry's yamls: d_model, layers, heads
 
 
 def mpt(size: str):
@@ -91,6 +102,10 @@ def llama2_13b():
 
 def llama2_70b():
     return llama2(8192, 28672, 80, 64, 8)
+
+
+def mpt_1b():
+    return mpt("1b")
 
 
 def mpt_3b():
@@ -140,10 +155,16 @@ RUNS = [
      f"{FOUNDRY}, H100 80GB BF16: 13b, 2048, 8 GPUs, MicroBatchSize 2, GradAccum 1, no AC"),
     ("mpt-13b h100 x64", "plan_published:mpt_13b", "dgx-h100", 64, 2, 2048, None, 4800,
      f"{FOUNDRY}, H100 80GB BF16: 13b, 2048, 64 GPUs, MicroBatchSize 2, GradAccum 1, no AC"),
+    ("mpt-1b h100 x8", "plan_published:mpt_1b", "dgx-h100", 8, 14, 2048, None, 45455,
+     f"{FOUNDRY}, H100 80GB BF16: 1b, 2048, 8 GPUs, MicroBatchSize 14, GradAccum 1, no AC"),
+    ("mpt-30b h100 x32", "plan_published:mpt_30b", "dgx-h100", 32, 14, 2048, "full", 2308,
+     f"{FOUNDRY}, H100 80GB BF16: 30b, 2048, 32 GPUs, MicroBatchSize 14, GradAccum 3, AC"),
     ("mpt-70b h100 x64", "plan_published:mpt_70b", "dgx-h100", 64, 8, 2048, "full", 1039,
      f"{FOUNDRY}, H100 80GB BF16: 70b, 2048, 64 GPUs, MicroBatchSize 8, GradAccum 4, AC"),
     ("mpt-7b a100-80 x8", "plan_published:mpt_7b", "dgx-a100-80gb", 8, 6, 2048, None, 4641,
      f"{FOUNDRY}, A100 80GB: 7b, 2048, 8 GPUs, MicroBatchSize 6, GradAccum 2, no AC"),
+    ("mpt-13b a100-80 x8", "plan_published:mpt_13b", "dgx-a100-80gb", 8, 2, 2048, None, 2262,
+     f"{FOUNDRY}, A100 80GB: 13b, 2048, 8 GPUs, MicroBatchSize 2, GradAccum 3, no AC"),
     ("mpt-7b a100-40 x32", "plan_published:mpt_7b", "dgx-a100-40gb", 32, 18, 2048, "full", 3725,
      f"{FOUNDRY}, A100 40GB: 7b, 2048, 32 GPUs, MicroBatchSize 18, GradAccum 1, AC, PURE"),
     ("mpt-7b a100-40 x128", "plan_published:mpt_7b", "dgx-a100-40gb", 128, 18, 2048, "full", 3623,
@@ -166,8 +187,9 @@ def predict(run) -> dict:
     from zerolab.plan import predict as plan_predict
 
     _, model, cluster, n, batch, seq, ac, *_ = run
+    attention = "triton" if "mpt_" in model else None  # MPT's attn_impl: triton (see above)
     return plan_predict(model, ["fsdp2"], n, batch, seq, mixed_precision=True, cluster=cluster,
-                        checkpoint=ac or False)[0]
+                        checkpoint=ac or False, attention=attention)[0]
 
 
 def main(argv=None) -> None:
@@ -212,7 +234,8 @@ def main(argv=None) -> None:
         f"depend on it", f"- torch {torch.__version__}",
         f"- command: `python benchmarks/plan_published.py {' '.join(argv or sys.argv[1:])}`",
         "- each run: `python -m zerolab plan --model MODEL --cluster PRESET --world-size N "
-        "--batch B --seq S --mixed-precision [--activation-checkpointing AC] --systems fsdp2`",
+        "--batch B --seq S --mixed-precision [--activation-checkpointing AC] --systems fsdp2 "
+        "(MPT: --attention-kernel triton)`",
         "", f"Within 25%: {within} of {len(ratios)} runs; plan / published from "
         f"{min(ratios):.2f} to {max(ratios):.2f}. Trends within 10 points: "
         f"{sum(x <= 0.10 for x in apart)} of {len(apart)}.", "", *lines, "", *trend_lines, ""])
