@@ -82,20 +82,14 @@ def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
             raise ValueError(f"{what}, which layout={layout.name!r} cannot show as FSDP2 "
                              "does (a DTensor whose local tensor is the subclass): use "
                              "layout='rows' (zero.fully_shard's default)")
-        if comm_policy is not None and not _reduces_only(comm_policy):
+        # (fully_shard's own policy, no custom all-gather set: the subclass gathers, it reduces)
+        if comm_policy is not None and getattr(comm_policy, "all_gather_comm", False) is not None:
             raise ValueError(f"{what}: its all-gather is the subclass's to decide, so a "
                              f"comm_policy ({type(comm_policy).__name__}) cannot gather it too")
         if not offload.on_device:
             raise ValueError(f"{what}: the all-gather extension is not served with an offload "
                              "policy here (FSDP2 copies the subclass to the device first); "
                              "leave offload_policy unset for this model")
-
-
-def _reduces_only(comm_policy: api.CommPolicy) -> bool:
-    """``zero.fully_shard``'s own policy for FSDP2's custom collectives while no custom
-    all-gather is set: the subclass gathers, it may still reduce (``set_custom_all_gather``
-    on such a unit is refused: ``zero/surface/fsdp2_module.py``)."""
-    return getattr(comm_policy, "all_gather_comm", False) is None
 
 
 def policy(comm_policy, params):
@@ -117,8 +111,7 @@ def dress(unit, originals) -> None:
                                      c.output_dtype, c.cast_inputs or param_dtype is None)
     for sp, orig in zip(unit.sharded_params, originals):
         if has_extension(orig):
-            module = sp.locations[0][0]
-            sp.form = SubclassForm(sp, orig, module, mp_policy)
+            sp.form = SubclassForm(sp, orig, sp.locations[0][0], mp_policy)
             sp.form.local()  # the subclass around this rank's rows, from now on
     gather.unit = unit
 
@@ -144,13 +137,9 @@ class _ComputesWith(torch.autograd.Function):
 
 class SubclassForm:
     """One parameter with the extension: its inputs, outputs and unsharded tensor (FSDP2's
-    ``all_gather_outputs``, ``_extensions_data`` and ``_unsharded_param``).
-
-    Args:
-        sp: its ``ShardedParam``; orig: the original parameter (the subclass);
-        module: the module holding it (passed to a 5-argument ``fsdp_pre_all_gather``);
-        mp_policy: torch's ``MixedPrecisionPolicy`` for the unit (passed likewise).
-    """
+    ``all_gather_outputs``, ``_extensions_data`` and ``_unsharded_param``), made from its
+    ``ShardedParam`` and ``orig``, the subclass; a 5-argument ``fsdp_pre_all_gather`` gets the
+    ``module`` holding it and the unit's ``mp_policy`` (torch's ``MixedPrecisionPolicy``)."""
 
     def __init__(self, sp, orig, module: nn.Module, mp_policy):
         self.sp, self.module, self.mp_policy = sp, module, mp_policy
@@ -170,9 +159,8 @@ class SubclassForm:
         p = self.sp.sharded
         if type(p._local_tensor) is not self.cls:
             rows = p._local_tensor
-            p._local_tensor = self.cls.__tensor_unflatten__({self.inner[0]: rows},
-                                                            self.context, rows.size(),
-                                                            rows.stride())
+            p._local_tensor = self.cls.__tensor_unflatten__({self.inner[0]: rows}, self.context,
+                                                            rows.size(), rows.stride())
         return p._local_tensor
 
     def inputs(self, mesh, padded_rows: int) -> list[torch.Tensor]:
@@ -206,8 +194,7 @@ class SubclassForm:
         return self.outputs[k].view(world_size, -1)
 
     def arrived(self, param_dtype: torch.dtype) -> None:
-        """``fsdp_post_all_gather`` on the outputs: builds the unsharded tensor the first
-        time, refills it (``out=``) after."""
+        """``fsdp_post_all_gather`` on the outputs: builds the unsharded tensor, then refills it."""
         outputs = tuple(t.view(-1, *s[1:]) for t, s in zip(self.outputs, self.sizes))
         post = self.local().fsdp_post_all_gather
         if self.built is None:
@@ -221,8 +208,7 @@ class SubclassForm:
         self.metadata = None
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
-        """What the module computes with (``ShardedParam.form``): what the subclass built,
-        its gradient going to ``view``."""
+        """What the module computes with: what the subclass built, its gradient to ``view``."""
         assert self.built is not None, "(the unit is gathered before its module computes)"
         return _ComputesWith.apply(view, self.built)
 
@@ -248,17 +234,13 @@ class SubclassGather:
     def __repr__(self) -> str:
         return f"SubclassGather({self.inner!r})"
 
-    def _forms(self) -> dict[int, SubclassForm]:
-        return {sp.index: sp.form for sp in self.unit.sharded_params
-                if isinstance(sp.form, SubclassForm)}
-
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str,
-                   ctx: api.Comm) -> api.Work:
+                   in_place: bool, group, unit: str, phase: str, ctx: api.Comm) -> api.Work:
         """Fill ``full`` (N*S,) rank-major with every rank's plain rows, and each subclass
         parameter's outputs, from one all-gather of this rank's bytes."""
         layout, n = self.unit.layout, self.unit.mesh.world_size
-        forms = self._forms()
+        forms = {sp.index: sp.form for sp in self.unit.sharded_params
+                 if isinstance(sp.form, SubclassForm)}
         mesh = self.unit.mesh.placement
         mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh  # (HSDP: the shard dim)
         wire = full.view(n, layout.shard_numel)

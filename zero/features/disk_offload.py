@@ -26,11 +26,10 @@ call computes: every optimizer that zero steps on pieces updates each parameter 
 (``zero/core/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
 in-memory run (tests/features/test_disk_offload.py). What is read and written is counted in the ledger
 ("read" and "write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say
-how much state the store holds in memory. The files are this store's own: a fresh directory
-under the one given, removed when the optimizer is; nothing else there is touched. Each
-unit's state is keyed by the unit itself, never by its name (which the root changes at the
-first forward, from the module's class to its path): a resume or a save before any forward,
-and two separately sharded models in one optimizer, find their own state.
+how much state the store holds in memory. Each unit's state is keyed by the unit itself,
+never by its name (which the root changes at the first forward, from the module's class to
+its path): a resume or a save before any forward, and two separately sharded models in one
+optimizer, find their own state.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ import contextvars
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,7 @@ from zero.features.disk_files import StateFileError, StateFiles
 ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit's buffer
 
 
+@dataclass(frozen=True, init=False)
 class DiskOffload(CPUOffload):
     """The shards on the host (``CPUOffload``), the optimizer state in files under ``directory``.
 
@@ -61,21 +62,12 @@ class DiskOffload(CPUOffload):
         pin_memory: as ``CPUOffload``'s.
     """
 
-    directory: str  # (set once in __init__: the dataclass is frozen)
+    # (not in the repr, which the ranks compare: it may differ per rank; set by __init__)
+    directory: str = field(repr=False, kw_only=True)
 
     def __init__(self, directory: str | os.PathLike, pin_memory: bool = True):
         super().__init__(pin_memory=pin_memory)
-        object.__setattr__(self, "directory", os.fspath(directory))
-
-    def __repr__(self) -> str:  # (the ranks agree on it: the directory may differ per rank)
-        return f"DiskOffload(pin_memory={self.pin_memory})"
-
-    def __eq__(self, other) -> bool:
-        return type(other) is DiskOffload and (other.directory, other.pin_memory) == (
-            self.directory, self.pin_memory)
-
-    def __hash__(self) -> int:
-        return hash((DiskOffload, self.directory, self.pin_memory))
+        object.__setattr__(self, "directory", os.fspath(directory))  # (frozen)
 
     def check(self, layout) -> None:
         if layout.exposes_dtensors:  # (its state is DTensors: the buffers would need wrapping)
@@ -124,7 +116,8 @@ class DiskOffload(CPUOffload):
         ``optimizer.state`` holds none of it."""
         store = self.store(optimizer)  # (an optimizer that never stepped has it made here)
         store.pieces = _pieces(optimizer, units)
-        store.load_all(optimizer)
+        for unit, params in store.pieces:
+            store.put_back(optimizer, unit, params, store.read(unit))
         lent = {id(v) for v in _state_values(optimizer, store.pieces)}
         try:
             yield
@@ -219,7 +212,13 @@ class StateStore:
         if buf is None or same(entries) != same(e[:4] for e in self.index.get(unit, ())):
             if buf is not None:
                 self._hold(-buf.numel())  # (the old layout's buffer goes once this returns)
-            buf = self._layout(unit, entries)
+            index, offset = [], 0
+            for p, key, dtype, shape in entries:
+                index.append((p, key, dtype, shape, offset))
+                offset += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+            self.index[unit], self.sizes[unit] = index, offset
+            self._hold(offset)  # (the optimizer's new tensors are copied in, then dropped)
+            buf = torch.empty(offset, dtype=torch.uint8)
         for p, key, dtype, shape, offset in self.index[unit]:
             value = optimizer.state[p][key]
             view = buf[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
@@ -230,14 +229,6 @@ class StateStore:
             self.scalars[p] = {k: v for k, v in state.items() if not _moved(v)}
         return buf
 
-    def forget(self, unit, params: list) -> None:
-        """The unit has no state (a load gave it none): as in memory, it starts afresh."""
-        self.index.pop(unit, None)
-        if self.sizes.pop(unit, None) is not None:
-            self.disk.remove(self.path(unit))
-        for p in params:
-            self.scalars.pop(p, None)
-
     def write(self, unit, buf: torch.Tensor) -> None:
         """Write the unit's buffer to its file; it is freed once written. One the disk refuses
         is kept (``unwritten``), for the step to give back to the optimizer."""
@@ -247,8 +238,7 @@ class StateStore:
             self.unwritten[unit] = buf
             raise
         finally:
-            with self._lock:
-                self.held_bytes -= buf.numel()
+            self._hold(-buf.numel())
         ledger.record_copy("write", buf, unit.name, "step")
 
     def _keep_unwritten(self, optimizer, pieces: list) -> int:
@@ -263,15 +253,6 @@ class StateStore:
                 self.sizes.pop(unit, None)
                 kept += 1
         return kept
-
-    def _layout(self, unit, entries: list) -> torch.Tensor:
-        index, offset = [], 0
-        for p, key, dtype, shape in entries:
-            index.append((p, key, dtype, shape, offset))
-            offset += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
-        self.index[unit], self.sizes[unit] = index, offset
-        self._hold(offset)  # (the optimizer's new tensors are copied in, then dropped)
-        return torch.empty(offset, dtype=torch.uint8)
 
     # ---- the whole step, and the whole state for a checkpoint -------------------------------
 
@@ -320,14 +301,9 @@ class StateStore:
                 "limit, and the next step writes it again; or save a checkpoint now "
                 "(zero.save)") from refused[0]
 
-    def load_all(self, optimizer) -> None:
-        """Every unit's state back in the optimizer (for a checkpoint's state dict)."""
-        for unit, params in self.pieces:
-            self.put_back(optimizer, unit, params, self.read(unit))
-
     def store_all(self, optimizer) -> None:
-        """Every unit's state from the optimizer to its file again (after ``load_all``, and
-        after a load, which may have replaced all of it)."""
+        """Every unit's state from the optimizer to its file again (after ``resident`` put it
+        there, and a load may have replaced all of it)."""
         refused = None
         for unit, params in self.pieces:
             if any(p in optimizer.state for p in params):
@@ -335,8 +311,12 @@ class StateStore:
                     self.write(unit, self.take_out(optimizer, unit, params, None))
                 except StateFileError as e:
                     refused = refused or e
-            else:
-                self.forget(unit, params)
+            else:  # the unit has no state (a load gave it none): as in memory, it starts afresh
+                self.index.pop(unit, None)
+                if self.sizes.pop(unit, None) is not None:
+                    self.disk.remove(self.path(unit))
+                for p in params:
+                    self.scalars.pop(p, None)
         self._keep_unwritten(optimizer, self.pieces)
         self.held_bytes = 0
         if refused is not None:
