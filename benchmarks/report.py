@@ -244,8 +244,11 @@ def write(rows, args, argv, stage_of) -> None:
                      "optimizer state (not the step's temporaries) on the largest rank. FSDP2's "
                      "tracker files the units it has in flight (all-gather outputs, "
                      "reduce-scatter inputs) as comm buffers, while ours are the parameter and "
-                     "gradient storage itself: \"+ comm buffers\" compares the two alike.", "",
-                     *targets]
+                     "gradient storage itself: \"+ comm buffers\" compares the two alike"
+                     + ("; a comm policy's own buffers on the wire (qwZ's messages, qgZ's "
+                        "all-to-all) are comm buffers too (zerolab/trackers.py)."
+                        if any(r["kind"] in ("zero3-qwz", "zero3-qgz") for r in rows)
+                        else "."), "", *targets]
         body += getattr(args, "extra", [])
         body += ["", loss_check(rows)]
         for r in rows:

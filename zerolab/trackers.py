@@ -14,13 +14,20 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
 from zero import units_of
+from zero.comm import host_side
 
 _RS = torch.ops.c10d._reduce_scatter_base_.default
+# A comm policy's own buffers on the wire (qwZ's quantized message, qgZ's all-to-all, a custom
+# FSDP2 AllGather's): comm buffers, as FSDP2's tracker files its all-gather and reduce-scatter
+# buffers. The default policy sends the units' own storage, which stays a model state.
+_WIRE = {torch.ops.c10d._allgather_base_.default: _FSDPRefType.ALL_GATHER,
+         _RS: _FSDPRefType.REDUCE_SCATTER,
+         torch.ops.c10d.alltoall_base_.default: _FSDPRefType.REDUCE_SCATTER}
 _COPY = torch.ops.aten._to_copy.default
 _CLONE = torch.ops.aten.clone.default
 
@@ -125,6 +132,8 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
         self.state_peaks: dict[Any, int] = {}  # PARAM, GRAD, OPT: each one's peak, less transients
         self.transient_peak = 0
         self._quiet = False
+        # MemTracker's categories, and FSDP2's two for buffers on the wire (_WIRE)
+        self._ref_class = [*_MemRefType, *set(_WIRE.values())]  # type: ignore[assignment]
 
     def __enter__(self) -> "ZeroMemTracker":
         super().__enter__()
@@ -183,9 +192,19 @@ class ZeroMemTracker(CategoryPeaks, MemTracker):
                 self._tag(res, _MemRefType.PARAM, transient=True)  # from forward to backward
             else:  # a gradient shard copied out of a full gradient (or of its upcast copy)
                 self._tag(res, _MemRefType.GRAD, transient=False)
-        if func is _RS and not self._is_grad(args[1]):  # a buffer made for it (upcast)
-            self._tag(args[1], _MemRefType.TEMP, transient=True)
+        if func is _RS and self._is_transient(args[1]) and not self._is_grad(args[1]):
+            self._tag(args[1], _MemRefType.TEMP, transient=True)  # an upcast made for it
+        if func in _WIRE and not host_side():  # (the agreement's few bytes are the host's)
+            for t in args[:2]:
+                if isinstance(t, torch.Tensor) and self._made_for_the_wire(t):
+                    self._tag(t, _WIRE[func], transient=True)
         return res
+
+    def _made_for_the_wire(self, t: torch.Tensor) -> bool:
+        """A buffer made by the step (not a state, not already tagged), then sent."""
+        kinds = {self._WINFO[st][0].reftype for st in get_untyped_storages(t) if st in self._WINFO}
+        return bool(kinds) and kinds <= {_MemRefType.ACT, _MemRefType.TEMP} \
+            and not self._is_transient(t)
 
     def _update_peak_stats(self, peak_state) -> None:
         if self._per_module:  # MemTracker walks every module's stats after every op

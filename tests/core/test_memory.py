@@ -12,7 +12,7 @@ import zero
 from conftest import sample
 from harness import run_ranks
 from zerolab.memory import model_state_bytes, schedule
-from zerolab.trackers import MODEL_STATES, ZeroMemTracker
+from zerolab.trackers import MODEL_STATES, MODEL_STATES_AND_COMM, ZeroMemTracker
 from zerolab.models import GPT, GPTConfig, LoRAStack
 
 CPU = torch.device("cpu")
@@ -182,3 +182,30 @@ def test_the_schedule_predicts_the_measured_model_state_peak_to_the_byte(stage, 
     for measured, predicted in run_ranks(_schedule, n, stage):
         assert measured == predicted["peak"], (measured, predicted)
         assert predicted["in_flight"] >= 0
+
+
+# ---- a comm policy's buffers on the wire are comm buffers, as FSDP2's tracker files its own ---
+
+
+def _wire(rank, n, policy):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, dim=64, vocab=64, seq=16))
+    for unit in model.units():
+        zero.shard(unit, stage=3, comm_policy=zero.QuantizedWeights() if policy else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, rank)
+    with ZeroMemTracker(model, opt) as mt:
+        _step(model, opt, rank)
+    peaks = {getattr(k, "value", k): v for k, v in mt.category_peaks[CPU].items()}
+    shard = max(u.layout.padded_numel for u in zero.units_of(model)) // n
+    blocks = -(-shard // 256)  # qwZ's message a rank: int8 codes and fp32 scales by 256
+    return peaks, blocks * 256 + 4 * blocks
+
+
+def test_a_comm_policys_wire_buffers_are_comm_buffers_not_temporaries():
+    for (qwz, message), (plain, _) in zip(run_ranks(_wire, 2, True), run_ranks(_wire, 2, False)):
+        assert plain.get("All Gather", 0) == 0  # the default sends the units' own storage
+        # qwZ's message and its gathered copy (N messages), for at most two units at once
+        assert 0 < qwz["All Gather"] <= 2 * (1 + 2) * message
+        assert plain[MODEL_STATES_AND_COMM] == plain[MODEL_STATES]
+        assert qwz[MODEL_STATES] < qwz[MODEL_STATES_AND_COMM] <= qwz[MODEL_STATES] + qwz["All Gather"]
