@@ -22,7 +22,9 @@ and until it has run there, the CUDA path is untested. What it checks:
    each system (DDP, ZeRO-1/2/3, FSDP2 with and without resharding; NCCL, bf16 compute) and,
    from the kernels of its trace (``zerolab/profiled.py``), the communication exposed per
    collective kind and the overlap fraction: the rows to read beside ``compare_stages.py
-   --network``'s emulated ones.
+   --network``'s emulated ones; and how often a step makes the host wait for the device
+   (torch's sync debug mode): the emulation takes zero's agreement and used flags to run on
+   the host, beside the device, which this counts (0 expected, as for DDP and FSDP2).
 
 Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
 runs the same code on the CPU with gloo and the small model (tests/zerolab/test_device_check.py), so
@@ -158,6 +160,26 @@ def streams_overlap(rank: int, n: int) -> tuple[str, str | bool]:
 SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "fsdp2-noreshard", "fsdp2")
 
 
+def _host_syncs(step) -> str:
+    """How often ``step`` made the host wait for the device (torch's sync debug mode: a
+    ``.item()``, a device tensor read on the host...). zero's agreement and used flags go
+    through a gloo group on the host (``CommContext.host``): 0 expected, as DDP and FSDP2."""
+    import warnings
+
+    if DRY["on"]:
+        step()
+        return "CPU: no device to wait for"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    said = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return f"{len(said)}" + (f" (first: {said[0][:80]})" if said else "")
+
+
 def profiled_systems(rank: int, n: int) -> list[tuple[str, str]]:
     """One profiled step of each system on ``n`` ranks: exposed communication by kind and the
     overlap fraction, read from the trace's kernels (rank 0's)."""
@@ -181,9 +203,11 @@ def profiled_systems(rank: int, n: int) -> list[tuple[str, str]]:
         for s in range(2):  # warm-up: DDP's buckets, the schedules' order
             system.step(rank, s, batch=2)
         _sync()
+        syncs = _host_syncs(lambda: system.step(rank, 3, batch=2))
         with profile(activities=activities) as prof:
             system.step(rank, 2, batch=2)
             _sync()
+        out.append((f"host waits for the device in a step, {kind}, {n} ranks", syncs))
         what = f"profiled step, {kind}, {n} ranks: exposed us by kind; overlap"
         if DRY["on"]:
             out.append((what, "CPU: no device kernels"))

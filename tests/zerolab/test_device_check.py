@@ -17,4 +17,6 @@ def test_the_device_check_runs_its_checks_on_the_cpu(capsys):
     assert results["streams: a profiled ZeRO-3 step (CPU: no device kernels)"] is True
     profiled = [k for k in results if k.startswith("profiled step, ")]
     assert len(profiled) == 6 and all(results[k] == "CPU: no device kernels" for k in profiled)
+    waits = [k for k in results if k.startswith("host waits for the device in a step, ")]
+    assert len(waits) == 6 and all(results[k] == "CPU: no device to wait for" for k in waits)
     assert "check" in capsys.readouterr().out
