@@ -47,23 +47,17 @@ def clip_grad_norm_(
         if loose:
             raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
                              "module")
-    comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}", group=units[0].mesh.all_group,
-               ctx=ctx,
+    comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}",
+               group=units[0].mesh.all_group, ctx=ctx,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     with_grad = [p for p in model.parameters() if p.grad is not None]
     grads = [local_tensor(p.grad) for p in with_grad if registry.is_piece(p)]  # (rows: this rank's)
     # ignored_params are whole on every rank: their share of the norm is counted once, after
     whole = [p.grad for p in with_grad if not registry.is_piece(p)]
     norm_type = float(norm_type)
-    device = units[0].unsharded.device
-    dtype = grads[0].dtype if grads else torch.float32
-    # The same per-tensor-then-stack order as torch.nn.utils.clip_grad_norm_, on local pieces.
     pieces = [g for g in grads if g.numel()]  # a rank may hold no element of a parameter
-    if pieces:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in pieces])
-        local = torch.linalg.vector_norm(norms, norm_type)
-    else:
-        local = torch.zeros((), dtype=dtype, device=device)
+    local = _norm(pieces, norm_type) if pieces else torch.zeros(
+        (), dtype=grads[0].dtype if grads else torch.float32, device=units[0].unsharded.device)
     if norm_type == float("inf"):
         # gloo's MAX drops a NaN unless rank 0 holds it: carry "is NaN" beside the maximum
         both = torch.stack([local, torch.isnan(local).to(local.dtype)])
@@ -74,8 +68,7 @@ def clip_grad_norm_(
         comm.all_reduce(total, op="sum", group=group, unit="clip", phase="step", ctx=ctx)
         total = total ** (1.0 / norm_type)
     if whole:
-        own = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in whole]), norm_type)
+        own = _norm(whole, norm_type)
         total = (torch.maximum(total, own) if norm_type == float("inf")
                  else (total**norm_type + own**norm_type) ** (1.0 / norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
@@ -85,3 +78,10 @@ def clip_grad_norm_(
     for g in grads + whole:
         g.mul_(coef)
     return total
+
+
+def _norm(tensors: list, norm_type: float) -> torch.Tensor:
+    """The norm of ``tensors`` in torch.nn.utils.clip_grad_norm_'s order: each tensor's norm,
+    then the norm of those."""
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in tensors])
+    return torch.linalg.vector_norm(norms, norm_type)

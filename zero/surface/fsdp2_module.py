@@ -5,18 +5,9 @@
 these. As in FSDP2, each acts on the units this module's ``fully_shard`` made (a trainable
 one, and a frozen one beside it), and ``recurse`` extends it to the units below. Every public
 method of torch's ``FSDPModule`` is here (``tests/surface/test_fsdp2_methods.py`` lists them
-against torch's class and runs each beside FSDP2), grouped by what it concerns:
-
-- gathering: ``unshard``, ``reshard``, ``set_reshard_after_forward`` / ``_backward``,
-  ``set_unshard_in_backward``, the prefetch lists, ``set_post_optim_event``;
-- gradients: ``set_requires_gradient_sync``, ``set_requires_all_reduce`` (HSDP), the divide
-  factors, ``set_force_sum_reduction_for_comms``, ``set_reduce_scatter_unused_params``,
-  ``set_all_reduce_hook``, ``set_is_last_backward``, ``reset_iter_state``;
-- the collectives (``zero/features/custom_collectives.py``): ``set_custom_all_gather`` /
-  ``_reduce_scatter``, the buffers' allocation (process group, symmetric memory),
-  ``set_separate_reduce_scatter_group``, ``set_reduce_scatter_max_input_buffers``;
-- what torch's functions read (``_get_fsdp_state``: ``zero/surface/fsdp2_state.py``), and
-  what changing the module's tensors would break (``to_empty``, ``_apply``, deep copies).
+against torch's class and runs each beside FSDP2), grouped by what it concerns: gathering,
+gradients, the collectives (``zero/features/custom_collectives.py``), and what torch's
+functions read (``zero/surface/fsdp2_state.py``) or changing the module's tensors would break.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from zero.core import registry
 from zero.features.all_gather_extension import SubclassGather
 from zero.features.custom_collectives import CustomCollectives
-from zero.surface import controls
+from zero.surface import controls, meta_init
 from zero.surface.fsdp2_state import FSDPStateView
 
 
@@ -51,8 +42,7 @@ class ZeroFSDPModule(FSDPModule):
 
     @property
     def _module(self) -> nn.Module:
-        """This object as the module it is (``FSDP<Class>``'s other base is the module's
-        class; ``FSDPModule`` is not an ``nn.Module`` to a type checker)."""
+        """This object, as the module it is (which a type checker cannot know)."""
         return cast(nn.Module, self)
 
     def _units(self, recurse: bool = False) -> list:
@@ -129,9 +119,7 @@ class ZeroFSDPModule(FSDPModule):
         for unit in self._units():
             unit.controls.divide_factor = factor
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """FSDP2's older name of ``set_gradient_divide_factor``."""
-        self.set_gradient_divide_factor(factor)
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor  # (FSDP2's older name)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only sums on the wire; the division after (FSDP2's, for backends without AVG)."""
@@ -264,38 +252,8 @@ class ZeroFSDPModule(FSDPModule):
         return FSDPStateView(self._module)
 
     def to_empty(self, *, device, recurse: bool = True):
-        """After ``fully_shard`` on the meta device: the shards already live on their device;
-        give the rest (buffers, ignored parameters) memory there, uninitialised, as
-        ``nn.Module.to_empty`` does, and leave the values to the model's own init."""
-        device = torch.device(device)
-        units = registry.units_of(self._module)
-        where = units[0].sharded.device
-        if device.type != where.type or (device.type != "cpu" and device.index is not None
-                                         and device.index != where.index):
-            raise ValueError(
-                f"to_empty(device={device}) but the shards of this model live on {where}: "
-                "shard it for that device (zero.fully_shard(..., device=...)), or initialise "
-                "from the meta device with zero.init_parameters(model, init_fn)")
-        pieces = [u for u in units if not u.materialized and not u.layout.exposes_dtensors]
-        if pieces:
-            raise ValueError(
-                f"to_empty() after zero.fully_shard(layout={pieces[0].layout.name!r}) on the "
-                "meta device: the parameters it shows are this rank's pieces, which a module's "
-                "own initialisation (reset_parameters, as Lightning's empty_init calls it) "
-                "cannot fill: its fan-in needs the full shape. Use layout='rows' (FSDP2's, "
-                "fully_shard's default: DTensors of the full shape), or fill the shards with "
-                "zero.init_parameters(model, init_fn) instead of to_empty()")
-        for m in self._module.modules():
-            for name, t in list(m._buffers.items()):
-                if t is not None and t.is_meta:
-                    m._buffers[name] = torch.empty_like(t, device=device)
-            for name, p in list(m._parameters.items()):
-                if p is not None and p.is_meta and not registry.is_piece(p):
-                    m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
-                                                       requires_grad=p.requires_grad)
-        for unit in units:
-            unit.params_on_shard()  # each parameter, the same object, now shows its pieces
-            unit.materialized = True  # the model's init writes the shards (through DTensors)
+        """After ``fully_shard`` on the meta device (``zero/surface/meta_init.py``)."""
+        meta_init.to_empty(self._module, device)
         return self
 
     def _apply(self, fn, *args: Any, **kwargs: Any):

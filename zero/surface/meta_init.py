@@ -11,6 +11,9 @@ parameters a full-size home (a temporary flat buffer per unit, viewed into the m
 ``init_fn(module)``, and as soon as a unit's last module is done keep this rank's shard and
 drop the buffer. At any moment a rank holds the full parameters of the root and one other
 unit, never the whole model.
+
+FSDP2's way is the other one, ``to_empty`` (a ``zero.fully_shard`` module's method): memory
+for the rest, then the model's own init writes the shards through their DTensors.
 """
 
 from __future__ import annotations
@@ -82,3 +85,38 @@ def _full_size(unit) -> torch.Tensor:
                        device=unit.sharded.device)
     unit.use(unit.layout.views(full))  # plain tensors, for init_fn to fill in place
     return full
+
+
+def to_empty(model: nn.Module, device) -> None:
+    """``model.to_empty(device=...)`` after ``fully_shard`` on the meta device: the shards
+    already live on their device; give the rest (buffers, ignored parameters) memory there,
+    uninitialised, as ``nn.Module.to_empty`` does, and leave the values to the model's init."""
+    device = torch.device(device)
+    units = registry.units_of(model)
+    where = units[0].sharded.device
+    if device.type != where.type or (device.type != "cpu" and device.index is not None
+                                     and device.index != where.index):
+        raise ValueError(
+            f"to_empty(device={device}) but the shards of this model live on {where}: "
+            "shard it for that device (zero.fully_shard(..., device=...)), or initialise "
+            "from the meta device with zero.init_parameters(model, init_fn)")
+    pieces = [u for u in units if not u.materialized and not u.layout.exposes_dtensors]
+    if pieces:
+        raise ValueError(
+            f"to_empty() after zero.fully_shard(layout={pieces[0].layout.name!r}) on the "
+            "meta device: the parameters it shows are this rank's pieces, which a module's "
+            "own initialisation (reset_parameters, as Lightning's empty_init calls it) "
+            "cannot fill: its fan-in needs the full shape. Use layout='rows' (FSDP2's, "
+            "fully_shard's default: DTensors of the full shape), or fill the shards with "
+            "zero.init_parameters(model, init_fn) instead of to_empty()")
+    for m in model.modules():
+        for name, t in list(m._buffers.items()):
+            if t is not None and t.is_meta:
+                m._buffers[name] = torch.empty_like(t, device=device)
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta and not registry.is_piece(p):
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
+                                                   requires_grad=p.requires_grad)
+    for unit in units:
+        unit.params_on_shard()  # each parameter, the same object, now shows its pieces
+        unit.materialized = True  # the model's init writes the shards (through DTensors)
