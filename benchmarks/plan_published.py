@@ -1,6 +1,6 @@
 """The plan's time held against published FSDP training runs it was not built from.
 
-    python benchmarks/plan_published.py              # 22 runs, ~2 min on 2 CPUs
+    python benchmarks/plan_published.py              # 28 runs, ~3 min on 2 CPUs
     python benchmarks/plan_published.py --only 13b   # the rows whose name holds "13b"
 
 Each row is a run someone published: its model, GPUs, local batch, sequence, activation
@@ -21,8 +21,9 @@ The sources:
   4,096. github.com/pytorch/torchtitan/blob/main/docs/performance.md
 - MosaicML's llm-foundry, ``scripts/train/benchmarking/README.md``, tables "H100 80GB BF16",
   "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" and "A100 40GB with 1600 Gbps
-  node-node interconnect (RoCE)": MPT models, FSDP1 FULL_SHARD, flash attention, sequences of
-  2,048, the micro-batch, gradient accumulation and activation checkpointing of each row.
+  node-node interconnect (RoCE)": MPT models, FSDP1 FULL_SHARD, sequences of 2,048 (and
+  three of 4,096 to 32,768 on 8 GPUs, where attention's share grows), the micro-batch,
+  gradient accumulation and activation checkpointing of each row.
   github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md
 
 How each is planned, and what differs:
@@ -78,12 +79,12 @@ MPT = {"1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": 
        "30b": (7168, 48, 56), "70b": (8192, 80, 64)}  # llm-foundry's yamls: d_model, layers, heads
 
 
-def mpt(size: str):
-    """MPT of ``size`` as the plan's GPT: its width, depth, heads, vocabulary, seq 2,048."""
+def mpt(size: str, seq: int = 2048):
+    """MPT of ``size`` as the plan's GPT: its width, depth, heads, vocabulary, ``seq``."""
     from zerolab.models import GPT, GPTConfig
 
     dim, layers, heads = MPT[size]
-    return GPT(GPTConfig(vocab=50368, seq=2048, dim=dim, layers=layers, heads=heads))
+    return GPT(GPTConfig(vocab=50368, seq=seq, dim=dim, layers=layers, heads=heads))
 
 
 def llama2(dim: int, hidden: int, layers: int, heads: int, kv_heads: int):
@@ -128,6 +129,18 @@ def mpt_70b():
     return mpt("70b")
 
 
+def mpt_7b_8k():
+    return mpt("7b", 8192)
+
+
+def mpt_7b_32k():
+    return mpt("7b", 32768)
+
+
+def mpt_13b_4k():
+    return mpt("13b", 4096)
+
+
 # name, model, preset, GPUs, micro-batch, seq, activation checkpointing, published tokens/s a
 # GPU, source (table: the row's other columns, quoted)
 RUNS = [
@@ -159,12 +172,25 @@ RUNS = [
      f"{FOUNDRY}, H100 80GB BF16: 1b, 2048, 8 GPUs, MicroBatchSize 14, GradAccum 1, no AC"),
     ("mpt-30b h100 x32", "plan_published:mpt_30b", "dgx-h100", 32, 14, 2048, "full", 2308,
      f"{FOUNDRY}, H100 80GB BF16: 30b, 2048, 32 GPUs, MicroBatchSize 14, GradAccum 3, AC"),
+    # longer sequences (activation checkpointing, 8 GPUs): attention's share grows with them
+    ("mpt-13b-4k h100 x8", "plan_published:mpt_13b_4k", "dgx-h100", 8, 10, 4096, "full", 4717,
+     f"{FOUNDRY}, H100 80GB BF16: 13b, 4096, 8 GPUs, MicroBatchSize 10, GradAccum 3, AC"),
+    ("mpt-7b-8k h100 x8", "plan_published:mpt_7b_8k", "dgx-h100", 8, 8, 8192, "full", 6935,
+     f"{FOUNDRY}, H100 80GB BF16: 7b, 8192, 8 GPUs, MicroBatchSize 8, GradAccum 2, AC"),
+    ("mpt-7b-32k h100 x8", "plan_published:mpt_7b_32k", "dgx-h100", 8, 2, 32768, "full", 3318,
+     f"{FOUNDRY}, H100 80GB BF16: 7b, 32768, 8 GPUs, MicroBatchSize 2, GradAccum 2, AC"),
     ("mpt-70b h100 x64", "plan_published:mpt_70b", "dgx-h100", 64, 8, 2048, "full", 1039,
      f"{FOUNDRY}, H100 80GB BF16: 70b, 2048, 64 GPUs, MicroBatchSize 8, GradAccum 4, AC"),
     ("mpt-7b a100-80 x8", "plan_published:mpt_7b", "dgx-a100-80gb", 8, 6, 2048, None, 4641,
      f"{FOUNDRY}, A100 80GB: 7b, 2048, 8 GPUs, MicroBatchSize 6, GradAccum 2, no AC"),
     ("mpt-13b a100-80 x8", "plan_published:mpt_13b", "dgx-a100-80gb", 8, 2, 2048, None, 2262,
      f"{FOUNDRY}, A100 80GB: 13b, 2048, 8 GPUs, MicroBatchSize 2, GradAccum 3, no AC"),
+    ("mpt-13b-4k a100-80 x8", "plan_published:mpt_13b_4k", "dgx-a100-80gb", 8, 10, 4096, "full",
+     2060, f"{FOUNDRY}, A100 80GB: 13b, 4096, 8 GPUs, MicroBatchSize 10, GradAccum 3, AC"),
+    ("mpt-7b-8k a100-80 x8", "plan_published:mpt_7b_8k", "dgx-a100-80gb", 8, 8, 8192, "full", 3206,
+     f"{FOUNDRY}, A100 80GB: 7b, 8192, 8 GPUs, MicroBatchSize 8, GradAccum 2, AC"),
+    ("mpt-7b-32k a100-80 x8", "plan_published:mpt_7b_32k", "dgx-a100-80gb", 8, 2, 32768, "full",
+     1672, f"{FOUNDRY}, A100 80GB: 7b, 32768, 8 GPUs, MicroBatchSize 2, GradAccum 2, AC"),
     ("mpt-7b a100-40 x32", "plan_published:mpt_7b", "dgx-a100-40gb", 32, 18, 2048, "full", 3725,
      f"{FOUNDRY}, A100 40GB: 7b, 2048, 32 GPUs, MicroBatchSize 18, GradAccum 1, AC, PURE"),
     ("mpt-7b a100-40 x128", "plan_published:mpt_7b", "dgx-a100-40gb", 128, 18, 2048, "full", 3623,
@@ -176,10 +202,13 @@ RUNS = [
     ("mpt-70b a100-40 x128", "plan_published:mpt_70b", "dgx-a100-40gb", 128, 4, 2048, "full", 376,
      f"{FOUNDRY}, A100 40GB: 70b, 2048, 128 GPUs, MicroBatchSize 4, GradAccum 1, AC, PURE"),
 ]
-# the same model and micro-batch on more GPUs: (fewer, more)
+# the same model and micro-batch on more GPUs: (fewer, more); and the same model and tokens a
+# micro-batch (65,536) at a 4x longer sequence, on the same GPUs (attention's share grows)
 TRENDS = [("llama3.1-8b h100 x8", "llama3.1-8b h100 x128"), ("mpt-3b h100 x32", "mpt-3b h100 x64"),
           ("mpt-13b h100 x8", "mpt-13b h100 x64"), ("mpt-7b a100-40 x32", "mpt-7b a100-40 x128"),
-          ("mpt-13b a100-40 x64", "mpt-13b a100-40 x128")]
+          ("mpt-13b a100-40 x64", "mpt-13b a100-40 x128"),
+          ("mpt-7b-8k h100 x8", "mpt-7b-32k h100 x8"),
+          ("mpt-7b-8k a100-80 x8", "mpt-7b-32k a100-80 x8")]
 
 
 def predict(run) -> dict:
@@ -224,7 +253,8 @@ def main(argv=None) -> None:
         pub = published[b] / published[a] - 1
         plan = rows[b]["tokens_per_s_per_gpu"] / rows[a]["tokens_per_s_per_gpu"] - 1
         apart.append(abs(plan - pub))
-        trend_lines.append(f"| {a} -> {b.rsplit(' ', 1)[1]} | {100 * pub:+.1f}% | "
+        to = b.rsplit(" ", 1)[1] if a.split()[0] == b.split()[0] else b.split()[0]
+        trend_lines.append(f"| {a} -> {to} | {100 * pub:+.1f}% | "
                            f"{100 * plan:+.1f}% | {100 * abs(plan - pub):.1f} |")
     within = sum(abs(x - 1) <= 0.25 for x in ratios)
     date = datetime.date.today().isoformat()
