@@ -243,7 +243,8 @@ class StateStore:
 
     def _keep_unwritten(self, optimizer, pieces: list) -> int:
         """The units whose write failed: their state back in ``optimizer.state`` (in memory,
-        as without disk offload), and no file of theirs is read again. How many there were."""
+        as without disk offload), and no file of theirs is read again. How many there were;
+        the store then holds nothing in memory (as between steps)."""
         kept = 0
         for unit, params in pieces:
             buf = self.unwritten.pop(unit, None)
@@ -252,6 +253,7 @@ class StateStore:
                 self.index.pop(unit, None)
                 self.sizes.pop(unit, None)
                 kept += 1
+        self.held_bytes = 0
         return kept
 
     # ---- the whole step, and the whole state for a checkpoint -------------------------------
@@ -293,7 +295,6 @@ class StateStore:
             for p in current:  # a step that raised: the unit's file holds its state before it
                 optimizer.state.pop(p, None)
             kept = self._keep_unwritten(optimizer, pieces)
-            self.held_bytes = 0  # (nothing is held between steps)
         if refused:
             raise StateFileError(
                 f"{refused[0]}. This step is complete, and the state of the {kept} unit(s) "
@@ -318,7 +319,6 @@ class StateStore:
                 for p in params:
                     self.scalars.pop(p, None)
         self._keep_unwritten(optimizer, self.pieces)
-        self.held_bytes = 0
         if refused is not None:
             raise StateFileError(f"{refused}; that state is kept in memory "
                                  "(optimizer.state)") from refused

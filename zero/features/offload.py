@@ -36,8 +36,26 @@ from zero import api
 from zero.comm import ledger
 
 
+class _StepsAsUsual:
+    """The optimizer steps as usual, its state always in memory (no offload, and CPU offload:
+    the optimizer steps the host shards; disk offload steps them itself:
+    ``zero/features/disk_offload.py``)."""
+
+    def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
+        """This policy's part of ``opt.step()`` over ``units``: none."""
+        return None
+
+    def after_step(self, optimizer, units: list) -> None:
+        """This policy's part after ``opt.step()``: none."""
+        return None
+
+    def resident(self, optimizer, units: list):
+        """The optimizer state of ``units`` in memory for a checkpoint: it always is."""
+        return contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
-class OnDevice:
+class OnDevice(_StepsAsUsual):
     """No offload (the default): the shards, their gradients and the optimizer state live on
     the compute device, and nothing crosses to the host."""
 
@@ -60,18 +78,9 @@ class OnDevice:
         (stage 1 keeps the full gradient anyway), else a copy (which frees the full one)."""
         return shard if keep else shard.clone()
 
-    def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
-        return None
-
-    def after_step(self, optimizer, units: list) -> None:
-        return None
-
-    def resident(self, optimizer, units: list):
-        return contextlib.nullcontext()
-
 
 @dataclass(frozen=True)
-class CPUOffload:
+class CPUOffload(_StepsAsUsual):
     """Args:
     pin_memory: allocate the host shards in pinned memory when the compute device is an
         accelerator (faster, asynchronous copies), as FSDP2's ``CPUOffloadPolicy`` does.
@@ -94,19 +103,6 @@ class CPUOffload:
         """The shard, on the compute device, for an all-gather (host -> device)."""
         ledger.record_copy("h2d", shard, unit, phase)
         return shard.to(device, non_blocking=shard.is_pinned())
-
-    def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
-        """This policy's part of ``opt.step()`` over ``units``: none, the optimizer steps the
-        host shards as usual (disk offload steps them itself: ``zero/features/disk_offload.py``)."""
-        return None
-
-    def after_step(self, optimizer, units: list) -> None:
-        """This policy's part after ``opt.step()``: none."""
-        return None
-
-    def resident(self, optimizer, units: list):
-        """The optimizer state of ``units`` in memory for a checkpoint: it always is."""
-        return contextlib.nullcontext()
 
     def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor:
         """A reduced gradient shard, copied to the host (device -> host), kept or not."""

@@ -166,7 +166,6 @@ def _settings(optimizer) -> list[str]:
 # at that step: every elementwise state (exp_avg...) must have its piece's shape.
 
 
-
 def _guard_state_dicts(optimizer, units) -> None:
     if getattr(optimizer, "_zero_state_dicts_guarded", False):
         return

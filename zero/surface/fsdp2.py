@@ -97,8 +97,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values
             unit.params_on_meta()
     for m in modules:
-        cls = type(m)
-        m.__class__ = _fsdp_class(cls)
+        m.__class__ = _fsdp_class(type(m))
     return module
 
 
@@ -116,12 +115,8 @@ def _reshard_after_forward(value, stage: int, mesh) -> tuple[bool | None, object
 
 
 def _warn_layout(layout: str) -> None:
-    """Another layout than FSDP2's: what its clients then miss. They (accelerate, the HF
-    Trainer, Lightning, torchtune) clip with torch's clip_grad_norm_, which computes a norm of
-    what it is given: with rows that is DTensors, whose norm is global; with the other layouts
-    it is this rank's share, and each rank would clip by its own factor, silently. Lightning's
-    ModelParallelStrategy also decides whether a model can be saved by looking for DTensor
-    parameters, before it calls anything of zero's."""
+    """Another layout than FSDP2's: what its clients (accelerate, the HF Trainer, Lightning,
+    torchtune) then miss, as the warning says."""
     warnings.warn(
         f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
         "clips each rank by the norm of its own share of the gradients (each rank a "

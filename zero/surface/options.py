@@ -37,10 +37,6 @@ class Options:
     shard_placement_fn: Any = None
     reduce_scatter_depth: int | None = None
 
-    def but(self, **changes) -> "Options":
-        """The same options with ``changes``."""
-        return dataclasses.replace(self, **changes)
-
     def given_to_root(self) -> dict:
         """What the root's call decides for every unit under it (``zero/core/root.py``)."""
         return {"backend": self.backend, "prefetch": self.prefetch, "schedule": self.schedule,

@@ -17,6 +17,8 @@ then the units are made (``_make_units``) and hooked (``_install``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -114,16 +116,18 @@ def shard(
             shown as a ``Shard(0)`` DTensor of its full shape), or "whole" (each parameter
             whole on one rank, for optimizers that read whole tensors: Adafactor, Muon). All
             units of one model use one layout. notes/16-layouts.md compares them.
-
         auto_wrap_policy: one of ``torch.distributed.fsdp.wrap``'s policies
             (``ModuleWrapPolicy({Block})``, ``size_based_auto_wrap_policy``...): called once on
             the whole model, make a unit of every module FSDP1 would wrap, bottom-up, then of
             the root (``zero/features/wrap.py``).
+        sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
+            (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
+            of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
         offload_policy: ``zero.CPUOffload()`` (or torch's ``CPUOffloadPolicy``): the shards,
             their gradients and the optimizer state live on the host, and ``opt.step()`` runs
-            there (ZeRO-Offload; ``zero/features/offload.py``); ``zero.DiskOffload(directory)``: and the
-            optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's disk
-            tier; ``zero/features/disk_offload.py``). None: on the compute device.
+            there (ZeRO-Offload; ``zero/features/offload.py``); ``zero.DiskOffload(directory)``:
+            and the optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's
+            disk tier; ``zero/features/disk_offload.py``). None: on the compute device.
         prefetch: how many units to gather ahead of the one computing, in forward (the next
             ones to run) and in backward (the ones before it); 1 by default, as FSDP2
             (``zero/core/schedule.py``).
@@ -136,7 +140,6 @@ def shard(
             ``set_reduce_scatter_max_input_buffers``): each runs under the backward of the
             units after it, and keeps its full gradient alive until it ends; 1 by default,
             FSDP2's (``zero/core/reductions.py``).
-
         shard_placement_fn: FSDP2's: called with each parameter, returns ``Shard(dim)`` to
             cut it along ``dim`` instead of 0 (None: dim 0); layout "rows" only, and the dim
             must divide evenly (notes/16-layouts.md).
@@ -146,13 +149,10 @@ def shard(
     same mesh as the tensor-parallel one), shown as a DTensor on both (layout "rows" only;
     ``zero/core/placement.py``).
 
-    ``prefetch``, ``schedule``, ``backend`` and ``reduce_scatter_depth`` are the root's to give (the last call, on the
-    whole model): there they reach every unit under it, which share one context, as FSDP2's
-    units share their root's. A unit below given one that differs from the root's is refused
-    when the root is sharded.
-        sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
-            (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
-            of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
+    ``prefetch``, ``schedule``, ``backend`` and ``reduce_scatter_depth`` are the root's to give
+    (the last call, on the whole model): there they reach every unit under it, which share one
+    context, as FSDP2's units share their root's. A unit below given one that differs from the
+    root's is refused when the root is sharded.
 
     Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
     trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
@@ -345,9 +345,9 @@ def _shard_by_policy(model, o: Options):
                                           device_type)
     stage = 3 if stage is None else stage
     policy = o.auto_wrap_policy
-    o = o.but(stage=stage, mesh=mesh, auto_wrap_policy=None, sharding_strategy=None,
-              # (the strategy decides: ZeRO-2 keeps them)
-              reshard_after_forward=o.reshard_after_forward if stage == 3 else None)
+    o = dataclasses.replace(o, stage=stage, mesh=mesh, auto_wrap_policy=None,
+                            sharding_strategy=None,  # (the strategy decides: ZeRO-2 keeps them)
+                            reshard_after_forward=o.reshard_after_forward if stage == 3 else None)
     if policy is not None:
         for module in wrap.units_by_policy(model, policy, o.ignored_params):
             # A tied parameter belongs to the lowest unit holding all its users (FSDP1 would
