@@ -145,9 +145,9 @@ _ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
 
 
 def _agreed(ctx: CommContext, path: str, checks: Callable, *args):
-    """Run ``checks(*args)`` on every rank, then agree, in one small all-gather, before any collective
-    that moves data: every rank returns, or every rank raises (its own error, or else the first
-    failing rank's). Ranks can see different files: a node-local disk, an unfinished copy."""
+    """Run ``checks(*args)`` on every rank, then agree in one small all-gather, before any
+    collective that moves data: every rank returns, or every rank raises (its own error, else
+    the first failing rank's). Ranks can see different files: a node-local disk, a half copy."""
     mine = fingerprint = value = None
     try:
         value, fingerprint = checks(*args)
@@ -214,10 +214,9 @@ def _load_units(found, meta, units, names, entries, elementwise: dict) -> dict:
 
 
 def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
-    """(S,) this rank's shard of what ``paths(param)`` name in the checkpoint (the unit's
-    parameters, or one state key of them): DCP reads this rank's FSDP2 chunk of each, into a
-    buffer of that size, by itself (every record is verified: no collective to plan it), then
-    one all-gather of the unit turns the chunks into our shard."""
+    """(S,) this rank's shard of what ``paths(param)`` name (the unit's parameters, or one state
+    key of them): DCP reads this rank's FSDP2 chunk of each, alone (every record is verified: no
+    collective to plan it), then one all-gather of the unit turns the chunks into our shard."""
     mesh = mesh_of(unit)
     template: dict = {}
     chunks: list = []
@@ -255,7 +254,8 @@ def _checked_optim(ckpt: str, saved: dict) -> list:
     problems = [f"its param_groups are a {type(groups).__name__}, not a list of groups"]
     if isinstance(groups, list) and groups:
         problems = [f"param group {i} is a {type(g).__name__}, not a dict"
-                    if not isinstance(g, dict) else f"param group {i}'s params are not a list of parameter names"
+                    if not isinstance(g, dict)
+                    else f"param group {i}'s params are not a list of parameter names"
                     for i, g in enumerate(groups)
                     if not isinstance(g, dict) or not isinstance(g.get("params"), list)
                     or not all(isinstance(n, str) for n in g["params"])]
