@@ -72,7 +72,8 @@ MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 MAX_MODULES, MAX_WORLD_SIZE = 2000, 1_000_000
 SAMPLE = (3, 4)  # the depths simulated when the blocks are alike
 CAUSES = {"rated": "rated peak s", "mamf": "matmuls' maximum", "waves": "tile waves",
-          "attention": "attention kernel", "kernel": "run's own attention", "hbm": "achieved HBM", "launch": "launches",
+          "attention": "attention kernel", "kernel": "run's own attention",
+          "hbm": "achieved HBM", "launch": "launches",
           "power": "power limit", "contention": "beside collectives",
           "exposed": "exposed comm"}  # --explain's columns (steptime.explain's keys)
 
