@@ -82,7 +82,7 @@ def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
             raise ValueError(f"{what}, which layout={layout.name!r} cannot show as FSDP2 "
                              "does (a DTensor whose local tensor is the subclass): use "
                              "layout='rows' (zero.fully_shard's default)")
-        # (fully_shard's own policy, no custom all-gather set: the subclass gathers, it reduces)
+        # (fully_shard's own policy with no custom all-gather: the subclass gathers, it may reduce)
         if comm_policy is not None and getattr(comm_policy, "all_gather_comm", False) is not None:
             raise ValueError(f"{what}: its all-gather is the subclass's to decide, so a "
                              f"comm_policy ({type(comm_policy).__name__}) cannot gather it too")

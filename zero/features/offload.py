@@ -37,9 +37,9 @@ from zero.comm import ledger
 
 
 class _StepsAsUsual:
-    """The optimizer steps as usual, its state always in memory (no offload, and CPU offload:
-    the optimizer steps the host shards; disk offload steps them itself:
-    ``zero/features/disk_offload.py``)."""
+    """A policy under which the optimizer steps as usual, its state always in memory
+    (``OnDevice``; ``CPUOffload``, on the host shards). Disk offload steps the units itself
+    (``zero/features/disk_offload.py``)."""
 
     def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
         """This policy's part of ``opt.step()`` over ``units``: none."""
