@@ -243,7 +243,9 @@ def _host_twin(rank, n, disagree):
     from zerolab.models import GPT, GPTConfig
 
     backend._moves_host_memory = lambda pg: False  # (gloo has a CPU backend: say it has not)
-    out = {}
+    made, new_group = [], backend.dist.new_group
+    backend.dist.new_group = lambda *a, **k: made.append(k.get("backend")) or new_group(*a, **k)
+    out = {"twins made": made}
     for kind in ("twin", "default"):
         torch.manual_seed(0)
         model = GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8))
@@ -251,7 +253,8 @@ def _host_twin(rank, n, disagree):
             given = _DeviceOnly() if kind == "twin" and unit is model else None
             zero.shard(unit, stage=3, backend=given)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ctx = zero.units_of(model)[0].root.context
+        top = zero.units_of(model)[0]
+        ctx = top.root.context
         with comm.Ledger() as ledger:
             for s in range(2):
                 x, y = model.batch(2, torch.Generator().manual_seed(10 * s + rank))
@@ -261,9 +264,9 @@ def _host_twin(rank, n, disagree):
                 model.loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-        host, _ = ctx.host(None)
+        host, _ = ctx.host(top.mesh.all_group)
         out[kind] = {"params": [p.detach().clone() for p in model.parameters()],
-                     "separate": host is not None,
+                     "separate": host is not top.mesh.all_group,
                      "groups": sorted({(r.op, r.group) for r in ledger.records
                                        if r.op in ("agree", "all_reduce")})}
     return out
@@ -272,6 +275,8 @@ def _host_twin(rank, n, disagree):
 def test_host_metadata_goes_through_a_gloo_twin_where_the_group_moves_only_device_memory():
     for out in run_ranks(_host_twin, 2, False):
         assert out["twin"]["separate"] and not out["default"]["separate"]
+        # one for the group, not one per zero.shard call
+        assert out["twins made"].count("gloo") == 1, out["twins made"]
         assert all(torch.equal(a, b) for a, b in zip(out["twin"]["params"],
                                                     out["default"]["params"]))
         assert out["twin"]["groups"] == out["default"]["groups"] == [

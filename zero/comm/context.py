@@ -151,20 +151,28 @@ class CommContext:
         return self.backend.default_device(group)
 
     def host(self, group=None) -> tuple:
-        """``(group, device)`` for host metadata (the note on the host side): ``group`` on the
-        CPU where its backend moves host memory; else the backend's ``host_group`` (made once
-        here, at the first agreement, which every rank of ``group`` reaches together in
-        ``zero.shard``), or, for a backend without one, ``group`` on its own device."""
+        """``(group, device)`` for host metadata (the note on the host side in
+        ``zero/comm/ledger.py``): ``group`` on the CPU where its backend moves host memory
+        (gloo); its twin once ``make_host`` has made one; until then ``group`` on its device."""
         key = self._key(group)
-        if key not in self._hosts:
-            make = getattr(self.backend, "host_group", None)
-            if self.backend.name(group) in ("gloo", "fake") or make is None:
-                self._hosts[key] = (group, self.default_device(group))
-            else:  # (named as ``group`` in the ledger)
-                twin = make(group)
-                self._names.setdefault(self._key(twin), self.group_name(group))
-                self._hosts[key] = (twin, torch.device("cpu"))
-        return self._hosts[key]
+        if key in self._hosts:
+            return self._hosts[key]
+        if self.backend.name(group) in ("gloo", "fake"):
+            return group, torch.device("cpu")
+        return group, self.default_device(group)
+
+    def make_host(self, group=None) -> None:
+        """Make ``group``'s twin for host metadata, where it needs one (a group that moves
+        only device memory, NCCL's): the backend's ``host_group``. Called by the root right
+        after its first forward's agreement, which every rank has just passed (so each makes
+        it, at the same point); one per root, whatever the number of ``zero.shard`` calls."""
+        key = self._key(group)
+        make = getattr(self.backend, "host_group", None)
+        if key in self._hosts or make is None or self.backend.name(group) in ("gloo", "fake"):
+            return
+        twin = make(group)
+        self._names.setdefault(self._key(twin), self.group_name(group))  # (named as group)
+        self._hosts[key] = self._hosts[self._key(twin)] = (twin, torch.device("cpu"))
 
     def streams(self, device: torch.device) -> Streams:
         """The device's streams for the collectives (the module note), made once."""

@@ -271,6 +271,7 @@ class Root:
                        "forward (under torch.no_grad()) gathers parameters too: run it on every "
                        "rank, or evaluate on one rank with an unsharded copy of the model loaded "
                        "from zero.full_state_dict(model), which every rank must call")
+        self.context.make_host(self.unit.mesh.all_group)  # (once: the host's group from now)
         self.backwards, self.reductions.started = 0, []
         for u in written:
             u.shard_changed()  # stages 1/2 gather the new parameters (async); stage 3 frees
