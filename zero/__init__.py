@@ -32,7 +32,8 @@ role, read bottom-up: a file imports only from its own folder and the ones liste
   ``validate.py``, ``safe_pickle.py``); it asks the offload policies for the optimizer state
   (``resident``) and imports no feature;
 - ``features/`` each one object behind a seam: ``offload.py`` (``OnDevice``,
-  ``CPUOffload``), ``disk_offload.py`` and ``disk_files.py`` (the optimizer state in files),
+  ``CPUOffload``), ``disk_offload.py``, ``disk_store.py`` and ``disk_files.py`` (the
+  optimizer state in files: the policy, the store, the checked files),
   ``quantized.py`` and ``quantized_gradients.py`` (ZeRO++'s qwZ and qgZ),
   ``logging_backend.py``, ``all_gather_extension.py`` (FSDP2's ``fsdp_pre_all_gather``: a
   subclass decides what is sent), ``custom_collectives.py`` (FSDP2's custom ``AllGather`` /
