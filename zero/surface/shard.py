@@ -198,9 +198,10 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
         _check_seams(o, offload, layout)
         params, locations, children = claim(modules, stage, mp_policy,
                                             o.reshard_after_forward, ignored)
-        placement.check(layout, named(modules, params), ctx.world_size(group),
-                        o.mesh, o.shard_placement_fn)  # (tensor parallel, Shard(d))
-        all_gather_extension.check(named(modules, params), layout, o.comm_policy, offload)
+        if _composed(params, o):  # (tensor parallel, Shard(d), the all-gather extension)
+            placement.check(layout, named(modules, params), ctx.world_size(group),
+                            o.mesh, o.shard_placement_fn)
+            all_gather_extension.check(named(modules, params), layout, o.comm_policy, offload)
         if any(child.layout.name != layout.name for child in children):
             raise ValueError(f"the units below {type(modules[0]).__name__} use layout "
                              f"{children[0].layout.name!r}, this call {layout.name!r}: use one "
@@ -275,8 +276,8 @@ def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offloa
         ("secondary_group", None if o.secondary_group is None else
          ctx.world_size(o.secondary_group)),
         # (two dims of equal size would exchange the same bytes, scrambled, without a word)
-        ("shard_placement_fn", [placement.chosen_dim(o.shard_placement_fn, n, p)
-                                for n, p in names]))]
+        ("shard_placement_fn", o.shard_placement_fn and [
+            placement.chosen_dim(o.shard_placement_fn, n, p) for n, p in names]))]
     desc.append(("values", any(p.is_meta for p in params), o.sync_module_states))
     same_model.check_same_description(desc, all_group, ctx)
     if o.sync_module_states:
@@ -293,26 +294,37 @@ def _make_units(modules, params, locations, stage, mp_policy, layout, offload, d
               for trainable in (True, False)]
     groups = [g for g in groups if g] or [[]]
     comm_policy = o.comm_policy or FlatCollectives()
+    composed = _composed(params, o)
     units = []
     for k, g in enumerate(groups):
-        master_dtype = params[g[0]].dtype if g else torch.float32
-        # (a layout placing tensor-parallel and Shard(d) parameters, and what it lays out)
-        placed, laid, placements = placement.lay_out(layout, [params[i] for i in g],
-                                                     mesh_info.world_size, o.shard_placement_fn)
-        # (a tensor subclass deciding its own all-gather: FSDP2's extension)
-        comm = all_gather_extension.policy(comm_policy, [params[i] for i in g])
+        mine = [params[i] for i in g]
+        master_dtype = mine[0].dtype if g else torch.float32
+        placed, laid, comm, placements = layout, mine, comm_policy, None
+        if composed:  # a layout placing tensor-parallel and Shard(d) parameters, and what it
+            placed, laid, placements = placement.lay_out(  # lays out; a tensor subclass
+                layout, mine, mesh_info.world_size, o.shard_placement_fn)  # deciding its own
+            comm = all_gather_extension.policy(comm_policy, mine)  # all-gather (FSDP2's)
         config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, placed, comm,
                                  offload, device)
         controls = Controls(reshard_after_forward=o.reshard_after_forward,
                             broadcast_buffers=o.broadcast_buffers and k == 0)
         units.append(Unit(modules, laid, [locations[i] for i in g], config, mesh_info,
                           controls, root))
-        placement.dress(units[-1], placements)
-        all_gather_extension.dress(units[-1], [params[i] for i in g])
+        if composed:  # each such parameter's own form (``ShardedParam.form``)
+            placement.dress(units[-1], placements)
+            all_gather_extension.dress(units[-1], mine)
     root.add(units)
     for sibling in units[1:]:  # the trainable one, if any: the others follow it
         sibling.place_under(units[0], sibling=True)
     return units, [[params[i] for i in g] for g in groups]
+
+
+def _composed(params, o: Options) -> bool:
+    """Whether a parameter needs more than dim-0 rows of plain values: a tensor-parallel
+    DTensor or a tensor subclass (FSDP2's all-gather extension), or a ``shard_placement_fn``
+    choosing ``Shard(d)``. A plain model's units are built without that code."""
+    return o.shard_placement_fn is not None or any(
+        type(p) not in (torch.Tensor, nn.Parameter) for p in params)
 
 
 def _install(modules, units, originals, locations, names, o: Options) -> None:
