@@ -375,7 +375,7 @@ class Kernels(TorchDispatchMode):
         t0 = time.process_time()
         out = func(*args, **(kwargs or {}))
         if getattr(func, "namespace", None) not in ("c10d", "_c10d_functional", "profiler") and \
-                not (_state is not None and _state.inside):
+                not (_state is not None and _state.inside) and not host_side():  # (the host's)
             self.total += time.process_time() - t0
             if self.roofline is not None:
                 from zerolab.roofline import cost_of

@@ -53,8 +53,9 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
     group, device = ctx.host(group)  # (on the host: reading the result syncs no device)
     seq = ctx.next_agreement(group)
     n = ctx.world_size(group)
-    mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
-    every = torch.empty(2 * n, dtype=torch.int64, device=device)
+    with on_host():
+        mine = torch.tensor([_fingerprint(what), seq], dtype=torch.int64, device=device)
+        every = torch.empty(2 * n, dtype=torch.int64, device=device)
     name = ctx.issued(f"agreement #{seq}: {what}", group)
     rec = ledger.record("agree", every, 1.0, group, "", "agree", ctx)
     # (2,) per rank -> (2N,): each rank's fingerprint of what it is about to do, and its count
@@ -66,8 +67,8 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
         kind = AgreementTimeout if error is Disagreement else error
         raise kind(f"{e}. {fix}".strip()) from e
     ledger.done(rec)
-    rows = every.view(n, 2)
-    if (rows != rows[0]).any():
+    rows = every.view(n, 2).tolist()  # (read on the host: no operator on a device)
+    if any(row != rows[0] for row in rows):
         said = objects.all_gather_object(f"{what} (agreement #{seq})", group, ctx)
         detail = "; ".join(f"rank {r} is about to {w}" for r, w in enumerate(said))
         raise error(f"the ranks took different paths: {detail}. {fix}".strip())

@@ -345,8 +345,8 @@ class Root:
         flags = work = None
         if used and not self.context.simulated(self.unit.mesh.group):
             group, device = self.context.host(self.unit.mesh.all_group)
-            flags = torch.tensor(used, dtype=torch.uint8, device=device)
             with comm.on_host():  # (F,) -> (F,): 1 where any rank's backward reached it
+                flags = torch.tensor(used, dtype=torch.uint8, device=device)
                 work = self.context.all_reduce(flags, op="max", group=group, unit="root",
                                                phase="backward", async_op=True)
         self.reductions.wait(synced)
