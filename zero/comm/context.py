@@ -154,12 +154,7 @@ class CommContext:
         """``(group, device)`` for host metadata (the note on the host side in
         ``zero/comm/ledger.py``): ``group`` on the CPU where its backend moves host memory
         (gloo); its twin once ``make_host`` has made one; until then ``group`` on its device."""
-        key = self._key(group)
-        if key in self._hosts:
-            return self._hosts[key]
-        if self.backend.name(group) in ("gloo", "fake"):
-            return group, torch.device("cpu")
-        return group, self.default_device(group)
+        return self._hosts.get(self._key(group)) or (group, self.default_device(group))
 
     def make_host(self, group=None) -> None:
         """Make ``group``'s twin for host metadata, where it needs one (a group that moves
