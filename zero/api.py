@@ -223,7 +223,9 @@ class Schedule(Protocol):
 class Backend(Protocol):
     """The collectives themselves (``zero/comm/backend.py``): ``torch.distributed``'s, with
     the group explicit. Every collective and every question about a group goes through one
-    ``Backend`` object, the root's (``zero/comm/context.py``)."""
+    ``Backend`` object, the root's (``zero/comm/context.py``). Optional, asked only if there:
+    ``host_group(group)``, a group of the same ranks for the host's metadata where ``group``
+    moves only device memory (``TorchBackend``'s; without it, that metadata stays on ``group``)."""
 
     def rank(self, group=None) -> int: ...
     def world_size(self, group=None) -> int: ...
