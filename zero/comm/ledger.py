@@ -34,10 +34,10 @@ _ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_ledgers", 
 # (``zero/comm/agree.py``: fingerprints of what each rank is about to do) and, at the end of
 # backward, which parameters each rank's backward reached. They go through ``host(group)``: on
 # gloo the group itself, on the CPU; on a group that moves only device memory (NCCL) a gloo
-# group of the same ranks, made once by the root at its first forward, so that reading their result never waits for the
-# device's queued work (a device tensor read by the host would: a sync each step, which DDP and
-# FSDP2 do not make). ``on_host()`` marks them, for a tool that times the device's streams
-# (``zerolab/emulate.py`` leaves them off the device's timeline).
+# group of the same ranks, made once by the root at its first forward, so that reading their
+# result never waits for the device's queued work (a device tensor read by the host would: a
+# sync each step, which DDP and FSDP2 do not make). ``on_host()`` marks them, for a tool that
+# times the device's streams (``zerolab/emulate.py`` leaves them off the device's timeline).
 _ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("zero_on_host", default=False)
 
 
