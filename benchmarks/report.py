@@ -419,8 +419,8 @@ def emulated_tables(rows, args) -> list[str]:
                 f"the host's own time: it is taken to run ahead of the GPU, every stream's work "
                 f"starting once the waits it was told allow (notes/10-overlap.md). zero's "
                 f"agreement and used-parameter flags are host metadata, read on the host (a "
-                f"gloo group): off the device's timeline, as the host's time is; priced as on these "
-                f"links they take {_host(rows, spec)} a step (notes/10-overlap.md).", "",
+                f"gloo group): off the device's timeline, as the host's time is; priced as on "
+                f"these links they take {_host(rows, spec)} a step (notes/10-overlap.md).", "",
                 "| system | step ms | GPU step ms | compute ms | side streams ms | "
                 + " | ".join(f"exposed {k}" for k in EXPOSED_KINDS)
                 + " | exposed total ms | comm ms | overlap |", "|---" * 12 + "|"]
