@@ -176,7 +176,9 @@ class CommPolicy(Protocol):
     the output filled (or None: the output is filled already, as after a blocking call); it
     may send other dtypes and shapes (ZeRO++'s quantized ones do)."""
 
-    in_place_ok: bool  # the shard may be this rank's slot of the full buffer (stages 1/2)
+    @property
+    def in_place_ok(self) -> bool:
+        """The shard may be this rank's slot of the full buffer (stages 1/2)."""
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
                    in_place: bool, group, unit: str, phase: str, ctx: Comm) -> Work: ...

@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import _MemRefType  # noqa: F401 (MemTracker's kinds)
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import zero
 from conftest import sample
@@ -196,23 +197,28 @@ def test_an_offload_policy_need_not_subclass_zeros():
 
 def _one_context(rank, n, tmp):
     backend = LoggingBackend(os.path.join(tmp, f"rank{rank}.log"))
+    hooks = _global_optimizer_pre_hooks
+    before = len(hooks)
     model, opt = _gpt(3, layers=3, backend=backend, root_only=True)
     units = zero.units_of(model)
     roots = {id(u.root) for u in units}
     contexts = {id(u.root.context) for u in units}
+    watches = len(hooks) - before  # (the roots below, taken over, listen no more)
     open(backend.path, "w").close()
     with zero.Ledger() as ledger:
         _step(model, opt, rank)
     logged = open(backend.path).read().splitlines()
-    return len(units), len(roots), len(contexts), len(logged), len(ledger.records)
+    return len(units), watches, len(roots), len(contexts), len(logged), len(ledger.records)
 
 
 def test_one_context_per_root_carries_every_collective_of_every_unit(tmp_path):
-    """A model sharded in 4 calls has one root and one context; the backend given to the
-    root's call carries every collective of every unit (it once carried 6 of a step's 8
-    all-gathers, the rest going through torch.distributed unseen)."""
-    for units, roots, contexts, logged, recorded in run_ranks(_one_context, 2, str(tmp_path)):
-        assert (units, roots, contexts) == (4, 1, 1)
+    """A model sharded in 4 calls has one root, one context and one optimizer watch; the
+    backend given to the root's call carries every collective of every
+    unit (it once carried 6 of a step's 8 all-gathers, the rest going through
+    torch.distributed unseen)."""
+    for units, watches, roots, contexts, logged, recorded in run_ranks(_one_context, 2,
+                                                                     str(tmp_path)):
+        assert (units, watches, roots, contexts) == (4, 1, 1, 1)
         assert logged == recorded > 8
 
 

@@ -729,6 +729,34 @@ def test_collective_settings_as_on_fsdp2(setting):
     _settings_seen(setting)(_bitwise(2, "comm_settings", setting)[0])
 
 
+def _frozen_configs(rank, n):
+    """FSDP2's collective setters on zero's modules: what they change, and whether a unit's
+    config (documented as frozen) changed under an observer holding it."""
+    model = _build(zero.fully_shard, n)
+    units = zero.units_of(model)
+    held = [(u.config, repr(u.config)) for u in units]
+    gathers, reductions = CountingAllGather(), AllReduceScatter()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(gathers)
+            m.set_custom_reduce_scatter(reductions)
+            m.set_separate_reduce_scatter_group(True, recurse=False)
+    _train(model, rank)
+    policies = [u.config.comm for u in units]
+    return ([repr(config) == said for config, said in held],
+            [(p.all_gather_comm is gathers, p.reduce_scatter_comm is reductions,
+              len(p.reduce_scatter_groups)) for p in policies],
+            [u.grads.config is u.config for u in units], gathers.calls > 0, reductions.calls > 0)
+
+
+def test_fsdp2s_collective_setters_leave_a_units_config_frozen():
+    """A unit's config is frozen: FSDP2's setters give the unit a new one, with a changed
+    copy of its comm policy (they once changed the policy inside the config in place)."""
+    unchanged, policies, same, gathered, reduced = run_ranks(_frozen_configs, 2)[0]
+    assert all(unchanged) and all(same) and gathered and reduced
+    assert policies and all(p == (True, True, 1) for p in policies), policies
+
+
 def test_symmetric_memory_is_refused_on_gloo_naming_what_to_use():
     theirs, ours = run_ranks(_symm_mem, 2)[0]
     assert theirs != "ran" and "NCCL" in theirs  # FSDP2 fails on gloo too

@@ -96,7 +96,6 @@ class Root:
         self._callback_queued = False
         self.backwards = 0  # backward passes since the root's last forward began
         self.is_last_backward = True  # False: another backward of this forward order follows
-        self.watching = None  # the global hook listening for optimizers (zero/surface/attach.py)
 
     def add(self, units: list) -> None:
         """Units this ``zero.shard`` call made; the first is the new top."""
@@ -125,17 +124,9 @@ class Root:
         """A parent sharded over the units of ``below`` (a root until now): they point here
         from now on (``refuse_conflicts`` first)."""
         self.context.take_names(below.context)
-        below.stop_watching()
         for u in below.members:
             u.attach(self)
         self.members = below.members + self.members
-
-    # ---- the optimizers (``zero/surface/attach.py``'s note) ------------------------------
-
-    def stop_watching(self) -> None:
-        if self.watching is not None:
-            self.watching.remove()
-            self.watching = None
 
     def share_context(self, context) -> None:
         """torch's ``share_comm_ctx``: this root's collectives go through ``context`` (and

@@ -44,6 +44,7 @@ is ``zero/core/hooks.py`` (the life of a unit in one iteration) and ``zero/core/
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -212,6 +213,13 @@ class Unit:
             sp.use_sharded()
         self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
         self._seen_version = self._versions()
+
+    def use_comm(self, change) -> None:
+        """Collectives of another comm policy from now on: ``change(policy)`` makes it from
+        the present one (FSDP2's ``set_custom_all_gather`` and relatives). The config stays
+        frozen: the unit and its gradient take a new one."""
+        self.config = dataclasses.replace(self.config, comm=change(self.config.comm))
+        self.grads.config = self.config
 
     def rename(self, name: str) -> None:
         self.name = self.grads.name = name

@@ -234,6 +234,12 @@ class SubclassGather:
     def __repr__(self) -> str:
         return f"SubclassGather({self.inner!r})"
 
+    def around(self, inner: api.CommPolicy) -> "SubclassGather":
+        """This gather, its reduction ``inner``'s (policies are never changed: replaced)."""
+        new = SubclassGather(inner)
+        new.unit = self.unit
+        return new
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
                    in_place: bool, group, unit: str, phase: str, ctx: api.Comm) -> api.Work:
         """Fill ``full`` (N*S,) rank-major with every rank's plain rows, and each subclass

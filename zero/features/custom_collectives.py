@@ -13,8 +13,8 @@ with a ``ReduceOp``.
 
 zero's mechanism moves a unit's buffers through a comm policy (``zero/api.py``'s
 ``CommPolicy``), and this one is the adapter: ``zero.fully_shard`` gives every call one, and
-FSDP2's methods fill it in (``zero/surface/fsdp2.py``). Empty, it is zero's own
-``FlatCollectives``, call for call. With an object it does what FSDP2 does around the object:
+FSDP2's methods give the unit a changed copy (``zero/surface/fsdp2_module.py``). Empty, it
+is zero's own ``FlatCollectives``, call for call. With an object it does what FSDP2 does around the object:
 
     all_gather      shard (S,) -> wire = allocate((N*S,)) -> wire[slot] = shard (cast)
                     -> object(wire, wire[slot], group)   -> full = wire
@@ -34,6 +34,9 @@ the all-gathers on one communicator.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
 import torch
 
 from zero.comm.backend import OPS
@@ -42,21 +45,24 @@ from zero.comm.flat_collectives import FlatCollectives
 _OWN = FlatCollectives()
 
 
+@dataclass(frozen=True, eq=False, repr=False)
 class CustomCollectives:
-    """zero's ``CommPolicy`` around FSDP2's ``AllGather`` / ``ReduceScatter`` objects.
+    """zero's ``CommPolicy`` around FSDP2's ``AllGather`` / ``ReduceScatter`` objects. Frozen,
+    as every policy a unit's config holds: FSDP2's setters give the unit a changed copy
+    (``dataclasses.replace``, through ``Unit.use_comm``).
 
     Args:
-        all_gather, reduce_scatter: FSDP2's objects, or None for zero's own collective.
+        all_gather_comm, reduce_scatter_comm: FSDP2's objects, or None for zero's own.
         from_group: allocate the buffers through the process group's allocator (where it
             has one: NCCL with a memory pool), as FSDP2's ``ProcessGroupAlloc*`` do.
+        reduce_scatter_groups: shard group -> a group of its own for the reduce-scatter.
     """
 
-    in_place_ok = True  # the shard may be this rank's slot of the full buffer (stages 1/2)
-
-    def __init__(self, all_gather=None, reduce_scatter=None, from_group: bool = False):
-        self.all_gather_comm, self.reduce_scatter_comm = all_gather, reduce_scatter
-        self.from_group = from_group
-        self.reduce_scatter_groups: dict = {}  # shard group -> a group of its own for it
+    all_gather_comm: Any = None
+    reduce_scatter_comm: Any = None
+    from_group: bool = False
+    reduce_scatter_groups: dict = field(default_factory=dict)  # (never written: replaced)
+    in_place_ok: ClassVar[bool] = True  # the shard may be this rank's slot of the full buffer
 
     def __repr__(self) -> str:  # (how the ranks compare it: zero/surface/options.py)
         names = [type(c).__name__ for c in (self.all_gather_comm, self.reduce_scatter_comm)]

@@ -81,13 +81,12 @@ def watch(root) -> None:
     ref = weakref.ref(root)
 
     def discover(optimizer, args, kwargs) -> None:
-        if ref() is not None:
-            serve(optimizer)
+        alive = ref()
+        if alive is not None and alive.unit.root is alive:  # (not taken over by a parent's
+            serve(optimizer)  # root, which watches its units now)
         return None
 
-    root.stop_watching()  # (a second watch: the parent's call, say)
-    root.watching = register_optimizer_step_pre_hook(discover)
-    weakref.finalize(root, root.watching.remove)
+    weakref.finalize(root, register_optimizer_step_pre_hook(discover).remove)
 
 
 def serve(optimizer) -> None:

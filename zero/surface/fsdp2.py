@@ -92,7 +92,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
           offload_policy=offload_policy, secondary_group=secondary_group,
           shard_placement_fn=shard_placement_fn, backend=backend, prefetch=prefetch,
           schedule=schedule, reduce_scatter_depth=reduce_scatter_depth,
-          comm_policy=CustomCollectives())  # (zero's own until set_custom_* fill it in)
+          comm_policy=CustomCollectives())  # (zero's own until set_custom_* replace it)
     for unit in registry.units_on(modules[0]):
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values
             unit.params_on_meta()

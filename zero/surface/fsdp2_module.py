@@ -13,6 +13,8 @@ functions read (``zero/surface/fsdp2_state.py``) or changing the module's tensor
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Literal, cast
 
 import torch
@@ -21,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from zero.core import registry
-from zero.features.all_gather_extension import SubclassGather
+from zero.features.all_gather_extension import SubclassForm, SubclassGather
 from zero.features.custom_collectives import CustomCollectives
 from zero.surface import controls, meta_init
 from zero.surface.fsdp2_state import FSDPStateView
@@ -163,39 +165,45 @@ class ZeroFSDPModule(FSDPModule):
 
     # ---- the collectives ------------------------------------------------------------------
 
-    def _collectives(self, recurse: bool = False) -> list[CustomCollectives]:
-        """The comm policies of this module's units: ``fully_shard`` gives each call one
-        (inside ``SubclassGather`` for a unit whose parameters gather themselves)."""
-        policies = [u.config.comm.inner if isinstance(u.config.comm, SubclassGather)
-                    else u.config.comm for u in self._units(recurse)]
-        return list({id(p): p for p in policies}.values())
+    def _change_collectives(self, change, recurse: bool = False) -> None:
+        """Give this module's units (and those below, with ``recurse``) the comm policy
+        ``change(policy, unit)`` makes from the ``CustomCollectives`` ``fully_shard`` gave
+        them (inside ``SubclassGather`` for a unit whose parameters gather themselves).
+        Policies are frozen: each unit takes a changed copy (``Unit.use_comm``)."""
+        def changed(policy, unit):
+            if isinstance(policy, SubclassGather):
+                return policy.around(change(policy.inner, unit))
+            return change(policy, unit)
+
+        for unit in self._units(recurse):
+            unit.use_comm(partial(changed, unit=unit))
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's ``AllGather`` object (``allocate`` and ``__call__``) gathers this module's
         parameters, through zero's comm seam (``zero/features/custom_collectives.py``)."""
-        if any(isinstance(u.config.comm, SubclassGather) for u in self._units()):
+        if any(isinstance(sp.form, SubclassForm) for u in self._units()
+               for sp in u.sharded_params):
             raise NotImplementedError(
                 "set_custom_all_gather on a module whose parameters use FSDP2's all-gather "
                 "extension (fsdp_pre_all_gather): zero gathers what the subclass returns itself "
                 "and does not pass it to a custom AllGather; use one or the other, or FSDP2's "
                 "fully_shard for both")
-        for policy in self._collectives():
-            policy.all_gather_comm = comm
+        self._change_collectives(lambda policy, unit: replace(policy, all_gather_comm=comm))
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """FSDP2's ``ReduceScatter`` object reduces this module's gradients."""
-        for policy in self._collectives():
-            policy.reduce_scatter_comm = comm
+        self._change_collectives(lambda policy, unit: replace(policy, reduce_scatter_comm=comm))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """The collectives' buffers from the process group's own allocator (NCCL's, for
         zero-copy transfers); gloo has none, and there, as in FSDP2, ``torch.empty``."""
-        for policy in self._collectives():
+        def change(policy: CustomCollectives, unit) -> CustomCollectives:
             if policy.all_gather_comm is not None or policy.reduce_scatter_comm is not None:
                 raise ValueError("set_allocate_memory_from_process_group_for_comm with a "
                                  "custom all-gather or reduce-scatter: that object allocates "
                                  "its buffers itself (its allocate()); choose one of the two")
-            policy.from_group = enable
+            return replace(policy, from_group=enable)
+        self._change_collectives(change)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """The all-gather's buffers in NCCL's symmetric memory, through torch's own objects
@@ -203,7 +211,7 @@ class ZeroFSDPModule(FSDPModule):
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
             SymmMemAllGather, SymmMemReduceScatter)
 
-        for unit in self._units():
+        def change(policy: CustomCollectives, unit) -> CustomCollectives:
             group = cast(dist.ProcessGroup, unit.mesh.group or dist.group.WORLD)
             if dist.get_backend(group) != "nccl":
                 raise ValueError(
@@ -211,26 +219,29 @@ class ZeroFSDPModule(FSDPModule):
                     f"this model's group runs {dist.get_backend(group)} (FSDP2 fails there "
                     "too). Leave the default collectives, or allocate from the process group: "
                     "set_allocate_memory_from_process_group_for_comm(True)")
-            policy = unit.config.comm
-            policy.all_gather_comm = SymmMemAllGather(group, backend)
-            if unit.controls.force_sum:
-                policy.reduce_scatter_comm = SymmMemReduceScatter(group, backend)
+            return replace(policy, all_gather_comm=SymmMemAllGather(group, backend),
+                           reduce_scatter_comm=SymmMemReduceScatter(group, backend)
+                           if unit.controls.force_sum else policy.reduce_scatter_comm)
+        self._change_collectives(change)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
         """The reduce-scatters on a process group of their own over the same ranks (one per
         rank set), so that they need not queue behind the all-gathers on one communicator."""
         made: dict = {}
-        for unit in self._units(recurse):
-            policy, group = unit.config.comm, unit.mesh.group
+
+        def change(policy: CustomCollectives, unit) -> CustomCollectives:
+            group, groups = unit.mesh.group, dict(policy.reduce_scatter_groups)
             if not enable:
-                policy.reduce_scatter_groups.pop(group, None)
-                continue
+                groups.pop(group, None)
+                return replace(policy, reduce_scatter_groups=groups)
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
             if ranks not in made:  # (every rank of the group makes it: a collective call)
-                made[ranks] = policy.reduce_scatter_groups.get(group) or dist.new_group(
+                made[ranks] = groups.get(group) or dist.new_group(
                     list(ranks), use_local_synchronization=True)
-            policy.reduce_scatter_groups[group] = made[ranks]
+            groups[group] = made[ranks]
+            return replace(policy, reduce_scatter_groups=groups)
+        self._change_collectives(change, recurse)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
