@@ -25,6 +25,13 @@ The sources:
   three of 4,096 to 32,768 on 8 GPUs, where attention's share grows), the micro-batch,
   gradient accumulation and activation checkpointing of each row.
   github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md
+- The same README's "H100 80GB BF16 (Large Scale, >= 128 GPUs)" table, added in January 2024
+  (llm-foundry commit 5e85bd62d, with its ``sweep.py``): MPT 1B to 70B on 128, 256 and 512
+  H100s, newer software than the table above: flash-attn 2.4.2 (``attn_impl: flash``,
+  ``pip install .[gpu-flash2]``), mixed precision PURE, ``limit_all_gathers``,
+  ``forward_prefetch``, ``backward_prefetch`` BACKWARD_PRE, no gradient accumulation; the 1B
+  and 3B shard with SHARD_GRAD_OP (ZeRO-2: the plan's ``fsdp2-noreshard`` row), the rest
+  FULL_SHARD. The rows at 128 and 512 GPUs are planned (names ending "2024").
 
 How each is planned, and what differs:
 
@@ -202,22 +209,44 @@ RUNS = [
     ("mpt-70b a100-40 x128", "plan_published:mpt_70b", "dgx-a100-40gb", 128, 4, 2048, "full", 376,
      f"{FOUNDRY}, A100 40GB: 70b, 2048, 128 GPUs, MicroBatchSize 4, GradAccum 1, AC, PURE"),
 ]
+LARGE = f"{FOUNDRY}, H100 80GB BF16 (Large Scale, >= 128 GPUs)"
+# name, size, GPUs, micro-batch, AC, published tokens/s a GPU, sharding strategy
+_LARGE_SCALE = [("70b", 128, 8, True, 1058, "FULL_SHARD"), ("70b", 512, 8, True, 1007, "FULL_SHARD"),
+                ("30b", 128, 8, True, 2199, "FULL_SHARD"), ("30b", 512, 8, True, 2115, "FULL_SHARD"),
+                ("13b", 128, 16, True, 5080, "FULL_SHARD"),
+                ("13b", 512, 16, True, 4952, "FULL_SHARD"),
+                ("7b", 128, 6, False, 10475, "FULL_SHARD"), ("7b", 512, 6, False, 9670, "FULL_SHARD"),
+                ("3b", 128, 8, False, 23422, "SHARD_GRAD_OP"),
+                ("3b", 512, 8, False, 21664, "SHARD_GRAD_OP"),
+                ("1b", 128, 12, False, 44123, "SHARD_GRAD_OP"),
+                ("1b", 512, 12, False, 39837, "SHARD_GRAD_OP")]
+RUNS += [(f"mpt-{size} h100 x{n} 2024", f"plan_published:mpt_{size}", "dgx-h100", n, mb, 2048,
+          "full" if ac else None, pub,
+          f"{LARGE}: {size}, 2048, {n} GPUs, MicroBatchSize {mb}, GradAccum 1, "
+          f"{'AC' if ac else 'no AC'}, {strategy}")
+         for size, n, mb, ac, pub, strategy in _LARGE_SCALE]
+ZERO2 = {f"mpt-{size} h100 x{n} 2024" for size, n, *_, strategy in _LARGE_SCALE
+         if strategy == "SHARD_GRAD_OP"}  # FSDP1's ZeRO-2: FSDP2 without resharding after forward
 # the same model and micro-batch on more GPUs: (fewer, more); and the same model and tokens a
 # micro-batch (65,536) at a 4x longer sequence, on the same GPUs (attention's share grows)
 TRENDS = [("llama3.1-8b h100 x8", "llama3.1-8b h100 x128"), ("mpt-3b h100 x32", "mpt-3b h100 x64"),
           ("mpt-13b h100 x8", "mpt-13b h100 x64"), ("mpt-7b a100-40 x32", "mpt-7b a100-40 x128"),
           ("mpt-13b a100-40 x64", "mpt-13b a100-40 x128"),
           ("mpt-7b-8k h100 x8", "mpt-7b-32k h100 x8"),
-          ("mpt-7b-8k a100-80 x8", "mpt-7b-32k a100-80 x8")]
+          ("mpt-7b-8k a100-80 x8", "mpt-7b-32k a100-80 x8"),
+          *[(f"mpt-{size} h100 x128 2024", f"mpt-{size} h100 x512 2024")
+            for size in ("70b", "30b", "13b", "7b", "3b", "1b")]]
 
 
 def predict(run) -> dict:
     """The plan's fsdp2 row for one published run."""
     from zerolab.plan import predict as plan_predict
 
-    _, model, cluster, n, batch, seq, ac, *_ = run
-    attention = "triton" if "mpt_" in model else None  # MPT's attn_impl: triton (see above)
-    return plan_predict(model, ["fsdp2"], n, batch, seq, mixed_precision=True, cluster=cluster,
+    name, model, cluster, n, batch, seq, ac, *_ = run
+    # MPT's attn_impl: triton in 2023's tables; flash-attn 2 in the large-scale one (see above)
+    attention = "triton" if "mpt_" in model and not name.endswith("2024") else None
+    system = "fsdp2-noreshard" if name in ZERO2 else "fsdp2"
+    return plan_predict(model, [system], n, batch, seq, mixed_precision=True, cluster=cluster,
                         checkpoint=ac or False, attention=attention)[0]
 
 
@@ -253,7 +282,7 @@ def main(argv=None) -> None:
         pub = published[b] / published[a] - 1
         plan = rows[b]["tokens_per_s_per_gpu"] / rows[a]["tokens_per_s_per_gpu"] - 1
         apart.append(abs(plan - pub))
-        to = b.rsplit(" ", 1)[1] if a.split()[0] == b.split()[0] else b.split()[0]
+        to = b.split()[2] if a.split()[0] == b.split()[0] else b.split()[0]
         trend_lines.append(f"| {a} -> {to} | {100 * pub:+.1f}% | "
                            f"{100 * plan:+.1f}% | {100 * abs(plan - pub):.1f} |")
     within = sum(abs(x - 1) <= 0.25 for x in ratios)
@@ -265,7 +294,7 @@ def main(argv=None) -> None:
         f"- command: `python benchmarks/plan_published.py {' '.join(argv or sys.argv[1:])}`",
         "- each run: `python -m zerolab plan --model MODEL --cluster PRESET --world-size N "
         "--batch B --seq S --mixed-precision [--activation-checkpointing AC] --systems fsdp2 "
-        "(MPT: --attention-kernel triton)`",
+        "(MPT of 2023: --attention-kernel triton; SHARD_GRAD_OP: --systems fsdp2-noreshard)`",
         "", f"Within 25%: {within} of {len(ratios)} runs; plan / published from "
         f"{min(ratios):.2f} to {max(ratios):.2f}. Trends within 10 points: "
         f"{sum(x <= 0.10 for x in apart)} of {len(apart)}.", "", *lines, "", *trend_lines, ""])

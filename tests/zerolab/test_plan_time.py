@@ -172,9 +172,11 @@ def test_mpts_triton_attention_holds_the_sequence_trend_within_10_points():
     assert abs((got[1] / got[0] - 1) - (3318 / 6935 - 1)) <= 0.10, got
 
 
-def test_only_mpt_rows_run_the_triton_kernel(monkeypatch):
-    """plan_published asks for MPT's own kernel (attn_impl: triton) on MPT rows, and for none
-    (FlashAttention-2, the presets') on torchtitan's."""
+def test_each_published_row_runs_its_own_kernel_and_sharding(monkeypatch):
+    """plan_published asks for MPT's Triton kernel (attn_impl: triton) on llm-foundry's 2023
+    rows, FlashAttention-2 (the presets') on torchtitan's and on llm-foundry's large-scale
+    rows of 2024 (flash-attn 2.4.2, attn_impl: flash); and FSDP2 without resharding after
+    forward (ZeRO-2) where the row says SHARD_GRAD_OP."""
     import os
     import sys
 
@@ -185,15 +187,23 @@ def test_only_mpt_rows_run_the_triton_kernel(monkeypatch):
 
     asked = {}
 
-    def record(model, *args, **kwargs):
-        asked[model] = kwargs["attention"]
+    def record(model, systems, *args, **kwargs):
+        asked[model, kwargs["cluster"], args[0], args[1]] = (kwargs["attention"],
+                                                          tuple(systems))
         return [{}]
 
     monkeypatch.setattr(zerolab.plan, "predict", record)
     for run in plan_published.RUNS:
         plan_published.predict(run)
-    assert asked == {m: ("triton" if "mpt_" in m else None) for m in asked}
-    assert sum(k == "triton" for k in asked.values()) >= 5
+    by_name = {r[0]: asked[r[1], r[2], r[3], r[4]] for r in plan_published.RUNS}
+    large = [n for n in by_name if "2024" in n]
+    assert len(large) >= 10
+    for name, (attention, systems) in by_name.items():
+        triton = "mpt" in name and name not in large
+        assert attention == ("triton" if triton else None), name
+        zero2 = name in large and name.split()[0] in ("mpt-1b", "mpt-3b")
+        assert systems == (("fsdp2-noreshard",) if zero2 else ("fsdp2",)), name
+    assert sum(a == "triton" for a, _ in by_name.values()) >= 5
 
 
 def test_the_emulated_cluster_prices_each_collective_as_the_plan_does():
