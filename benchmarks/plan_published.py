@@ -1,6 +1,6 @@
 """The plan's time held against published FSDP training runs it was not built from.
 
-    python benchmarks/plan_published.py              # 28 runs, ~3 min on 2 CPUs
+    python benchmarks/plan_published.py              # 40 runs, ~4 min on 2 CPUs
     python benchmarks/plan_published.py --only 13b   # the rows whose name holds "13b"
 
 Each row is a run someone published: its model, GPUs, local batch, sequence, activation
