@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # (read by mypy only: never imported, never run)
     from zero.core.schedule import Schedule
     from zero.core.unit import Unit
     from zero.core.whole import WholeLayout
-    from zero.features.all_gather_extension import SubclassForm, SubclassGather
+    from zero.features.all_gather_extension import SubclassForm
     from zero.features.custom_collectives import CustomCollectives
     from zero.features.disk_offload import DiskOffload
     from zero.features.logging_backend import LoggingBackend
@@ -54,8 +54,7 @@ if TYPE_CHECKING:  # (read by mypy only: never imported, never run)
     layouts: list[type[api.Layout]] = [FlatLayout, RowsLayout, WholeLayout]
     # CommPolicy: how a unit's flat buffers cross the ranks
     comm_policies: list[api.CommPolicy] = [
-        FlatCollectives(), QuantizedWeights(), QuantizedGradients(mesh), CustomCollectives(),
-        SubclassGather()]
+        FlatCollectives(), QuantizedWeights(), QuantizedGradients(mesh), CustomCollectives()]
     # OffloadPolicy: where the shards live
     offload_policies: list[api.OffloadPolicy] = [OnDevice(), CPUOffload(), DiskOffload("d")]
     # Schedule: which units are gathered ahead of need
@@ -65,7 +64,9 @@ if TYPE_CHECKING:  # (read by mypy only: never imported, never run)
     # ParamForm: what the module computes with for one parameter
     forms: list[api.ParamForm] = [
         AsIs(), Placement(torch.Size([4]), 2),
-        SubclassForm(sharded_param, subclass_param, nn.Linear(1, 1), None)]
+        SubclassForm(sharded_param, subclass_param, None)]
+    # SendingForm: a form that decides what its parameter sends (FSDP2's all-gather extension)
+    sending_forms: list[api.SendingForm] = [SubclassForm(sharded_param, subclass_param, None)]
     # Comm: what a comm policy is handed (the root's CommContext); what a schedule is handed
     comm: api.Comm = CommContext()
     unit_view: api.UnitView = unit

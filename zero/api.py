@@ -18,8 +18,7 @@ Layout        ``FlatLayout``, ``RowsLayout``,             ``zero/core/unit.py``,
               ``WholeLayout`` (``zero/core/``)            ``hooks.py``; checkpoints; state dicts
 CommPolicy    ``FlatCollectives`` (``zero/comm/``),       ``zero/core/unit.py`` (gather),
               ``QuantizedWeights``, ``QuantizedGradients``  ``grads.py`` (reduce), ``config.py``
-              ``CustomCollectives``, ``SubclassGather``   (HSDP's all-reduce)
-              (``zero/features/``)
+              ``CustomCollectives`` (``zero/features/``)  (HSDP's all-reduce)
 OffloadPolicy ``OnDevice``, ``CPUOffload``, ``DiskOffload``  ``zero/core/unit.py``, ``grads.py``;
               (``zero/features/``)                        the step hooks; checkpoints
 Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/root.py``;
@@ -28,7 +27,8 @@ Backend       ``TorchBackend`` (``zero/comm/backend.py``),  ``zero/comm/context.
               ``LoggingBackend`` (``zero/features/``)
 ParamForm     ``AsIs`` (``zero/core/param.py``),          ``zero/core/param.py``
               ``Placement`` (``zero/core/placement.py``),  (``ShardedParam.unsharded``,
-              ``SubclassForm`` (``zero/features/``)       ``free_unsharded``)
+              ``SubclassForm`` (``zero/features/``)       ``free_unsharded``); a
+                                                          ``SendingForm``: ``rows.py``
 ============  ==========================================  ====================================
 
 ``ParamForm`` is the one seam inside the mechanism: a parameter's own form is set by the
@@ -119,6 +119,17 @@ class ParamForm(Protocol):
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor: ...  # after each gather
     def free(self) -> None: ...  # the unit reshards: drop what it holds besides the buffer
+
+
+class SendingForm(ParamForm, Protocol):
+    """A form that decides what its parameter sends in the unit's all-gather (FSDP2's
+    all-gather extension, ``SubclassForm``), layout "rows" only: its inputs go into the one
+    all-gather beside the other parameters' rows (``zero/core/rows.py``'s ``gather_sending``),
+    and what arrived goes into outputs it owns."""
+
+    def inputs(self, mesh, padded_rows: int) -> list[torch.Tensor]: ...  # this rank's, 1-D
+    def output(self, k: int, like: torch.Tensor, world_size: int) -> torch.Tensor: ...  # (N, -1)
+    def arrived(self, param_dtype: torch.dtype) -> None: ...  # the outputs are filled
 
 
 class UnitView(Protocol):

@@ -326,7 +326,7 @@ def test_what_cannot_serve_the_extension_refuses_naming_why():
     assert "set_custom_all_gather" in out["custom all-gather"], out["custom all-gather"]
 
 
-def test_the_gather_is_a_comm_policy_by_zeros_own_protocol():
+def test_the_subclass_form_is_a_sending_form_by_zeros_own_protocol():
     from zero import api
-    from zero.features.all_gather_extension import SubclassGather
-    assert api.mismatches(SubclassGather(), api.CommPolicy) == []
+    from zero.features.all_gather_extension import SubclassForm
+    assert api.mismatches(SubclassForm, api.SendingForm) == []

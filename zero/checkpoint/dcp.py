@@ -66,7 +66,7 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
     """
     units = units_of(model)
-    group, ctx = units[0].mesh.all_group, units[0].root.context
+    group, ctx = units[0].all_group, units[0].root.context
     with comm.raising_together(group, ctx=ctx):
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: keep is how many versions stay, 1 or more")
@@ -202,7 +202,7 @@ def resident(optimizer):
         for p in group["params"]:
             unit = registry.unit_of(p)
             if unit is not None:
-                policies.setdefault(unit.config.offload, {})[unit] = None
+                policies.setdefault(unit.offload, {})[unit] = None
     with contextlib.ExitStack() as stack:
         for policy, units in policies.items():
             stack.enter_context(policy.resident(optimizer, list(units)))
@@ -242,7 +242,7 @@ def _elementwise(unit, optimizer) -> dict[str, list[int]]:
                 found.setdefault(key, []).append(i)
     if not unit.layout.empty_pieces_get_grads:
         merged: dict[str, set] = {}
-        for theirs in comm.all_gather_object(found, group=unit.mesh.group, ctx=unit.root.context):
+        for theirs in comm.all_gather_object(found, group=unit.group, ctx=unit.root.context):
             for key, holders in theirs.items():
                 merged.setdefault(key, set()).update(holders)
         found = {key: sorted(holders) for key, holders in merged.items()}

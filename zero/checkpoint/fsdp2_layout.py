@@ -59,7 +59,7 @@ def to_dtensor(chunk: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> torc
 def mesh_of(unit) -> DeviceMesh:
     """A 1-D mesh over the unit's process group (no new communicator is created; making a
     mesh moves no data: notes/15)."""
-    group = unit.mesh.group or unit.root.context.backend.world()
+    group = unit.group or unit.root.context.backend.world()
     return DeviceMesh.from_group(group, unit.sharded.device.type)
 
 
@@ -73,11 +73,11 @@ def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
         return []
     flat = shard.new_empty(layout.padded_numel)
     # (S,) per rank -> (N*S,): the whole unit, transient
-    comm.all_gather(flat, shard, group=unit.mesh.group, unit=unit.name, phase="other",
+    comm.all_gather(flat, shard, group=unit.group, unit=unit.name, phase="other",
                     ctx=unit.root.context)
     chunks = []
     for shape, whole in zip(layout.shapes, layout.views(layout.from_wire(flat))):  # (any layout)
-        ch = chunk_of(shape, unit.mesh.world_size, unit.mesh.rank)
+        ch = chunk_of(shape, unit.world_size, unit.rank)
         chunks.append(whole.reshape(-1)[ch.start : ch.stop].clone().view(ch.shape))
     return chunks
 
@@ -88,8 +88,8 @@ def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
     Every rank contributes its chunks, each padded to ``Chunk.padded``, to one all-gather;
     then each piece of this rank's shard is copied out of the chunks that overlap it.
     """
-    layout, n = unit.layout, unit.mesh.world_size
-    mine = [chunk_of(s, n, unit.mesh.rank) for s in layout.shapes]
+    layout, n = unit.layout, unit.world_size
+    mine = [chunk_of(s, n, unit.rank) for s in layout.shapes]
     seg = [0]  # where each parameter's padded chunk sits in a rank's contribution
     for ch, t in zip(mine, chunks):
         seg.append(seg[-1] + (ch.padded if t is not None else 0))
@@ -101,12 +101,12 @@ def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
     got = send.new_empty(n * seg[-1])
     if seg[-1]:
         # (L,) per rank -> (N*L,): every rank's chunks of this unit, transient
-        comm.all_gather(got, send, group=unit.mesh.group, unit=unit.name, phase="other",
+        comm.all_gather(got, send, group=unit.group, unit=unit.name, phase="other",
                         ctx=unit.root.context)
     del send  # (before the shard is allocated: load holds one unit, not one and a bit)
 
     shard = unit.sharded.new_zeros(layout.shard_numel, dtype=dtype)
-    for piece in layout.pieces(unit.mesh.rank):
+    for piece in layout.pieces(unit.rank):
         i, want = piece.param_index, piece.param_offset
         if chunks[i] is None:
             continue

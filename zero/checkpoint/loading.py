@@ -124,7 +124,7 @@ def _rows(piece) -> tuple[int, int] | None:
     """This rank's FSDP2 chunk of the parameter ``piece`` belongs to, as rows (0-d: None)."""
     unit = registry.unit_of(piece)
     shape = unit.layout.shapes[registry.index_of(piece)]
-    return chunk_of(shape, unit.mesh.world_size, unit.mesh.rank).rows
+    return chunk_of(shape, unit.world_size, unit.rank).rows
 
 
 def _records(meta, boxes: dict) -> list:
@@ -226,7 +226,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
         if where:
             md = meta.state_dict_metadata[".".join(map(str, where[0]))]
             dtype = unit.sharded.dtype if where[0][0] == "model" else md.properties.dtype
-            mine = chunk_of(shape, unit.mesh.world_size, unit.mesh.rank).shape
+            mine = chunk_of(shape, unit.world_size, unit.rank).shape
             chunks[-1] = to_dtensor(unit.sharded.new_empty(mine, dtype=dtype), shape, mesh)
         for path in where:  # (a tied parameter: under each of its names)
             set_element(template, path, chunks[-1])

@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 
 from zero.core.param import AS_IS
-from zero.core.placement import values
+from zero.core.same_model import values
 
 # How many of zero's own helpers are reading or writing state dicts right now, in this
 # thread: they put full tensors (or FSDP2's DTensors) in place first, so the guards on

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from zero.api import Layout
+from zero.core.same_model import values
 
 
 class Placement:
@@ -168,17 +169,6 @@ class Placement:
         return f"Placement(Shard({self.dim}){tp}, local {tuple(self.local_shape)})"
 
 
-def values(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind ``t``: a DTensor's local tensor; a tensor subclass's one inner
-    tensor (``__tensor_flatten__``, how torch.compile takes such a tensor apart)."""
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        t = getattr(t, names[0])
-    return t
-
-
 def chosen_dim(shard_placement_fn, name: str, p: torch.Tensor) -> int:
     """The dim ``shard_placement_fn`` (FSDP2's) chooses for ``p`` (None: 0), made
     non-negative; raises naming ``name`` for what FSDP2 would refuse too."""
@@ -255,12 +245,10 @@ def lay_out(layout: type[Layout], params, world_size: int, shard_placement_fn=No
     return layout.placing(placements), laid, placements  # type: ignore[attr-defined]
 
 
-def dress(unit, placements) -> None:
-    """Each of ``unit``'s tensor-parallel parameters computes as a DTensor on its mesh
-    (``ShardedParam.form``: ``Placement.unsharded``)."""
-    for sp, placement in zip(unit.sharded_params, placements):
-        if placement.spec is not None:
-            sp.form = placement
+def forms(placements) -> list:
+    """Per parameter: how to make its form if it is tensor parallel (it computes as a DTensor
+    on its mesh: its ``Placement`` is that form), else None."""
+    return [None if p.spec is None else (lambda sp, p=p: p) for p in placements]
 
 
 def refuse(units, what: str, fix: str, *, any_dim: bool = False) -> None:

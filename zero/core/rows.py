@@ -23,7 +23,7 @@ The interface is ``zero/core/flat.py``'s (its note); pure index math but for ``e
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -169,3 +169,59 @@ class CopiedOut:
         finish(self.work)
         self.layout.from_wire(self.wire, into=self.compute)
         del self.wire  # (the gathered buffer goes, once copied out)
+
+
+def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor, forms: dict,
+                   mesh: DeviceMesh, *, group, unit: str, phase: str, ctx) -> Work:
+    """A unit's all-gather when some parameters' forms decide what they send (``forms``: index
+    -> ``SendingForm``, FSDP2's all-gather extension): one collective of this rank's plain
+    rows, in ``full``'s dtype, and each such form's inputs, as bytes when their dtypes differ
+    (FSDP2 packs them so). ``wait()`` leaves ``full`` (N*S,) rank-major with every rank's
+    plain rows, and each form's outputs filled (``mesh``: the forms' data-parallel mesh; of a
+    2-D HSDP one, the shard dim)."""
+    n = layout.world_size
+    if mesh.ndim == 2:  # (HSDP's (replicate, shard): the shard dim, named by zero.shard)
+        mesh = mesh[cast(tuple, mesh.mesh_dim_names)[-1]]
+    wire = full.view(n, layout.shard_numel)
+    sends: list[torch.Tensor] = []  # this rank's pieces, in order
+    goes: list = []  # where every rank's piece goes: wire columns, or (form, k, input k)
+    for i, (seg, chunk) in enumerate(zip(layout.seg, layout.chunk)):
+        if i in forms:
+            inputs = forms[i].inputs(mesh, layout.chunk_rows[i])
+            sends += inputs
+            goes += [(forms[i], k, t) for k, t in enumerate(inputs)]
+        elif chunk:
+            sends.append(shard[seg:seg + chunk].to(full.dtype))  # (the cast, as ever)
+            goes.append(wire[:, seg:seg + chunk])
+    mixed = len({t.dtype for t in sends}) > 1
+    as_sent = [t.view(torch.uint8) if mixed else t for t in sends]
+    send = torch.cat(as_sent) if as_sent else full.new_empty(0)
+    got = send.new_empty(n * send.numel())
+    # (B,) per rank -> (N*B,): the plain rows and the forms' inputs, in one
+    work = ctx.all_gather(got, send, group=group, unit=unit, phase=phase, async_op=True)
+    return _Arrived(work, send, got, goes, [t.numel() for t in as_sent], mixed, forms,
+                    full.dtype, n)
+
+
+class _Arrived:
+    """``gather_sending``'s all-gather in flight; ``wait()`` copies each piece where it goes
+    (FSDP2's ``split_with_sizes_copy``) and hands the forms their outputs."""
+
+    def __init__(self, work, send, got, goes, sizes, mixed, forms, param_dtype, n):
+        self.work, self.send, self.got, self.goes = work, send, got, goes  # (alive till then)
+        self.sizes, self.mixed, self.forms = sizes, mixed, forms
+        self.param_dtype, self.n = param_dtype, n
+
+    def wait(self):
+        finish(self.work)
+        if self.sizes:
+            outs = [go if torch.is_tensor(go) else go[0].output(go[1], go[2], self.n)
+                    for go in self.goes]
+            outs = [t.view(torch.uint8) if self.mixed else t for t in outs]
+            # (outputs autograd may hold for backward are refilled, not changed: FSDP2's way)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+                torch.split_with_sizes_copy(self.got.view(self.n, -1), self.sizes, dim=1,
+                                            out=outs)
+        for form in self.forms.values():
+            form.arrived(self.param_dtype)
+        self.send = self.got = self.goes = None

@@ -17,13 +17,24 @@ import re
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zero import comm
 from zero.comm.context import CommContext
-from zero.core.placement import values
 
 AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and call zero.shard "
           "in the same order, with the same arguments, on every rank")
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind ``t``: a DTensor's local tensor; a tensor subclass's one inner
+    tensor (``__tensor_flatten__``, how torch.compile takes such a tensor apart)."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
+    return t
 
 
 def check_same_description(desc: list, group, ctx: CommContext) -> None:

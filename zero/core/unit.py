@@ -45,7 +45,7 @@ is ``zero/core/hooks.py`` (the life of a unit in one iteration) and ``zero/core/
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -55,12 +55,12 @@ from zero import api
 from zero.comm.context import finish, label
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import adoption, guards, registry
-from zero.core.config import MeshInfo, UnitConfig
+from zero.core.config import HSDPMeshInfo, MeshInfo, UnitConfig
 from zero.core.flat import LocalShard
 from zero.core.same_model import describe
 from zero.core.grads import Gradient
 from zero.core.param import ShardedParam
-from zero.core.rows import CopiedOut
+from zero.core.rows import CopiedOut, RowsLayout, gather_sending
 from zero.core.state import Controls, Held, Iteration, ShardedState, TrainingState
 
 
@@ -86,10 +86,12 @@ class Unit:
         controls: the user's settings (``Controls``): ``reshard_after_forward`` and the rest.
         root: the per-root context it belongs to (``zero/core/root.py``): its comm context,
             schedule and reductions; the root's ``zero.shard`` call takes it over later.
+        forms: per parameter, None or ``make(sharded_param) -> ParamForm``: its own form
+            (tensor parallel, a tensor subclass's all-gather), chosen as the unit is built.
     """
 
     def __init__(self, modules, params, locations, config: UnitConfig, mesh: MeshInfo,
-                 controls: Controls, root):
+                 controls: Controls, root, forms=None):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
         self.config, self.mesh, self.controls = config, mesh, controls
@@ -130,6 +132,12 @@ class Unit:
                          getattr(self.local.pieces.get(i), "param_offset", 0),
                          None if p.is_contiguous() else p.stride())
             for i, p in enumerate(params)]
+        for sp, make in zip(self.sharded_params, forms or ()):
+            if make is not None:
+                sp.form = make(sp)
+        # forms that decide what their parameter sends (FSDP2's all-gather extension)
+        self._sending = {sp.index: sp.form for sp in self.sharded_params
+                         if hasattr(sp.form, "inputs")}
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
         self.grads = Gradient(self.unsharded, self.sharded_params, self.local, self.sharded,
                               config, mesh, self.name, controls)
@@ -214,6 +222,52 @@ class Unit:
         self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
         self._seen_version = self._versions()
 
+    # ---- what the code around the mechanism asks (config and mesh are read here only) ------
+
+    @property
+    def group(self):
+        """The process group the unit is sharded over (None: the world)."""
+        return self.mesh.group
+
+    @property
+    def all_group(self):
+        """Every rank training (HSDP's whole mesh): the group the ranks agree in."""
+        return self.mesh.all_group
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def replicated(self) -> bool:
+        """HSDP: the reduced gradient shard is averaged over replicas of the sharded model."""
+        return isinstance(self.mesh, HSDPMeshInfo)
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage.number
+
+    @property
+    def offload(self) -> api.OffloadPolicy:
+        return self.config.offload
+
+    @property
+    def frees_parameters(self) -> bool:
+        """Stage 3: the full parameters are freed between uses."""
+        return self.config.stage.frees_parameters
+
+    def set_reshard_after_forward(self, reshard: bool | None) -> bool:
+        """Stage 3's setting (None: by the unit's role); False where the stage keeps the full
+        parameters whatever is asked (stages 1 and 2), and then nothing is set."""
+        if self.config.stage.keep_params:
+            return False
+        self.controls.reshard_after_forward = reshard
+        return True
+
     def use_comm(self, change) -> None:
         """Collectives of another comm policy from now on: ``change(policy)`` makes it from
         the present one (FSDP2's ``set_custom_all_gather`` and relatives). The config stays
@@ -281,21 +335,26 @@ class Unit:
             # The values forward computed with, already gathered once (qwZ: dequantized):
             # moved exactly, so that backward computes with forward's weights; slices of
             # the buffer the parameters view, whatever the layout's wire order.
-            comm, copies = EXACT, False
+            comm, copies, sending = EXACT, False, {}
         else:  # (host -> device, in the master dtype, under CPU offload)
             with streams.use(streams.copy_in):
                 source = self.config.offload.to_device(self.sharded, self.unsharded.device,
                                                        self.name, phase)
-            group, slot = self.mesh.group, self.local.slot
+            group, slot, sending = self.mesh.group, self.local.slot, self._sending
         target = self._unsharded_data
         if copies:  # gathered rank-major, copied out where the parameters are
             target = self._unsharded_data.new_empty(self.layout.padded_numel)  # (computing
             # stream's memory, as every buffer here: only it frees, after it has waited)
         streams.all_gather.wait_stream(streams.copy_in)
         with streams.use(streams.all_gather), label("all_gather", self.name):
-            # (hpZ is stage 3, where the shard is never inside the full buffer)
-            work = comm.all_gather(target, source, slot, in_place=self.config.shards_in_place,
-                                   group=group, unit=self.name, phase=phase, ctx=ctx)
+            if sending:  # (layout rows: checked at zero.shard)
+                work = gather_sending(cast(RowsLayout, self.layout), target, source,
+                                      sending, self.mesh.placement, group=group,
+                                      unit=self.name, phase=phase, ctx=ctx)
+            else:  # (hpZ is stage 3, where the shard is never inside the full buffer)
+                work = comm.all_gather(target, source, slot,
+                                       in_place=self.config.shards_in_place, group=group,
+                                       unit=self.name, phase=phase, ctx=ctx)
             event = streams.all_gather.record_event()
         if copies:
             work = CopiedOut(work, self.layout, target, self._unsharded_data)

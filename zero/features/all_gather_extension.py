@@ -14,11 +14,12 @@ sends its shard (in the compute dtype) and computes with what arrived. zero hono
 - At sharding the subclass's plain values (its one inner tensor, ``__tensor_flatten__``) go
   into the unit's shard as any parameter's, and the sharded parameter's local tensor is the
   subclass again, around this rank's rows of the shard (``__tensor_unflatten__``): the
-  optimizer steps the shard through it (``dress``).
-- The unit's all-gather (``SubclassGather``, a comm policy: ``zero/api.py``'s
-  ``CommPolicy``) sends, in one collective, the plain parameters' rows in the compute dtype
-  and each subclass parameter's ``fsdp_pre_all_gather`` inputs, as bytes when their dtypes
-  differ (as FSDP2 packs them); never the subclass parameters' own rows.
+  optimizer steps the shard through it. Each such parameter's form (``SubclassForm``, a
+  ``SendingForm`` of ``zero/api.py``) is chosen as the unit is built (``forms``).
+- The unit's all-gather (``zero/core/rows.py``'s ``gather_sending``) sends, in one
+  collective, the plain parameters' rows in the compute dtype and each subclass parameter's
+  ``fsdp_pre_all_gather`` inputs, as bytes when their dtypes differ (as FSDP2 packs them);
+  never the subclass parameters' own rows. The reduction is the comm policy's, as ever.
 - When it has arrived, each subclass parameter's outputs go to its ``fsdp_post_all_gather``:
   the first time to build the unsharded tensor, later with ``out=`` that tensor, refilled in
   place (autograd may hold it for backward), as FSDP2 calls it. The module computes with
@@ -35,6 +36,7 @@ FSDP2's); not with tensor parallel, CPU offload or another comm policy for the w
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from typing import Any
 
 import torch
@@ -92,28 +94,17 @@ def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
                              "leave offload_policy unset for this model")
 
 
-def policy(comm_policy, params):
-    """The unit's comm policy: ``SubclassGather`` around ``comm_policy`` if a parameter of
-    ``params`` has the extension, else ``comm_policy`` itself."""
-    return SubclassGather(comm_policy) if any(map(has_extension, params)) else comm_policy
-
-
-def dress(unit, originals) -> None:
-    """After the unit is made: each parameter with the extension shows the subclass around
-    its rows, computes with what the subclass builds, and the unit's gather knows them."""
-    gather = unit.config.comm
-    if not isinstance(gather, SubclassGather):
-        return
-    c = unit.config  # FSDP2 hands a 5-argument fsdp_pre_all_gather its MixedPrecisionPolicy
-    param_dtype = None if c.param_dtype == c.master_dtype else c.param_dtype
-    mp_policy = MixedPrecisionPolicy(param_dtype,
-                                     None if c.reduce_dtype == c.param_dtype else c.reduce_dtype,
-                                     c.output_dtype, c.cast_inputs or param_dtype is None)
-    for sp, orig in zip(unit.sharded_params, originals):
-        if has_extension(orig):
-            sp.form = SubclassForm(sp, orig, sp.locations[0][0], mp_policy)
-            sp.form.local()  # the subclass around this rank's rows, from now on
-    gather.unit = unit
+def forms(originals, config) -> list:
+    """Per parameter of a unit about to be built: how to make its ``SubclassForm`` if it has
+    the extension (the subclass around its rows, computing with what the subclass builds),
+    else None. ``config``: the unit's (FSDP2 hands a 5-argument ``fsdp_pre_all_gather`` its
+    ``MixedPrecisionPolicy``)."""
+    param_dtype = None if config.param_dtype == config.master_dtype else config.param_dtype
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype, None if config.reduce_dtype == config.param_dtype else config.reduce_dtype,
+        config.output_dtype, config.cast_inputs or param_dtype is None)
+    return [partial(SubclassForm, orig=orig, mp_policy=mp_policy) if has_extension(orig)
+            else None for orig in originals]
 
 
 def _allocated(t: torch.Tensor) -> None:
@@ -136,13 +127,14 @@ class _ComputesWith(torch.autograd.Function):
 
 
 class SubclassForm:
-    """One parameter with the extension: its inputs, outputs and unsharded tensor (FSDP2's
-    ``all_gather_outputs``, ``_extensions_data`` and ``_unsharded_param``), made from its
-    ``ShardedParam`` and ``orig``, the subclass; a 5-argument ``fsdp_pre_all_gather`` gets the
-    ``module`` holding it and the unit's ``mp_policy`` (torch's ``MixedPrecisionPolicy``)."""
+    """One parameter with the extension (``zero/api.py``'s ``SendingForm``): its inputs,
+    outputs and unsharded tensor (FSDP2's ``all_gather_outputs``, ``_extensions_data`` and
+    ``_unsharded_param``), made from its ``ShardedParam`` and ``orig``, the subclass; a
+    5-argument ``fsdp_pre_all_gather`` gets the module holding it and the unit's
+    ``mp_policy`` (torch's ``MixedPrecisionPolicy``)."""
 
-    def __init__(self, sp, orig, module: nn.Module, mp_policy):
-        self.sp, self.module, self.mp_policy = sp, module, mp_policy
+    def __init__(self, sp, orig, mp_policy):
+        self.sp, self.module, self.mp_policy = sp, sp.locations[0][0], mp_policy
         self.cls = type(orig)
         self.inner, self.context = orig.__tensor_flatten__()
         self.shape = orig.shape  # FSDP2's orig_size, and its contiguous stride
@@ -152,6 +144,7 @@ class SubclassForm:
         self.outputs: list[torch.Tensor] = []  # (N * numel,) each, made once, refilled
         self.own: tuple = ()  # what fsdp_post_all_gather said it allocated
         self.built: torch.Tensor | None = None  # FSDP2's unsharded parameter
+        self.local()  # the subclass around this rank's rows, from now on
 
     def local(self) -> Any:  # (the subclass: its two methods are duck-typed)
         """The sharded parameter's local tensor: the subclass around this rank's rows (made
@@ -216,88 +209,3 @@ class SubclassForm:
         """The unit reshards: the outputs and what post_all_gather allocated go (storage 0)."""
         for t in (*self.outputs, *self.own):
             t.untyped_storage().resize_(0)
-
-
-class SubclassGather:
-    """A unit's comm policy when some of its parameters have the extension (module note):
-    one all-gather of the plain rows and the subclasses' inputs; the reduction is
-    ``inner``'s (zero's own when None)."""
-
-    in_place_ok = False  # the send buffer is made here, never the full buffer's slot
-
-    def __init__(self, inner: api.CommPolicy | None = None):
-        # (Any, not api.CommPolicy, until zero/surface/fsdp2_module.py's ``_collectives``
-        # says that the policy inside is its CustomCollectives)
-        self.inner: Any = inner if inner is not None else FlatCollectives()
-        self.unit: Any = None  # the Unit (rows: its layout's columns), bound by ``dress``
-
-    def __repr__(self) -> str:
-        return f"SubclassGather({self.inner!r})"
-
-    def around(self, inner: api.CommPolicy) -> "SubclassGather":
-        """This gather, its reduction ``inner``'s (policies are never changed: replaced)."""
-        new = SubclassGather(inner)
-        new.unit = self.unit
-        return new
-
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx: api.Comm) -> api.Work:
-        """Fill ``full`` (N*S,) rank-major with every rank's plain rows, and each subclass
-        parameter's outputs, from one all-gather of this rank's bytes."""
-        layout, n = self.unit.layout, self.unit.mesh.world_size
-        forms = {sp.index: sp.form for sp in self.unit.sharded_params
-                 if isinstance(sp.form, SubclassForm)}
-        mesh = self.unit.mesh.placement
-        mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim == 2 else mesh  # (HSDP: the shard dim)
-        wire = full.view(n, layout.shard_numel)
-        sends: list[torch.Tensor] = []  # this rank's pieces, in order
-        goes: list = []  # where every rank's piece goes: wire columns, or (form, k, input k)
-        for i, (seg, chunk) in enumerate(zip(layout.seg, layout.chunk)):
-            if i in forms:
-                inputs = forms[i].inputs(mesh, layout.chunk_rows[i])
-                sends += inputs
-                goes += [(forms[i], k, t) for k, t in enumerate(inputs)]
-            elif chunk:
-                sends.append(shard[seg:seg + chunk].to(full.dtype))  # (the cast, as ever)
-                goes.append(wire[:, seg:seg + chunk])
-        mixed = len({t.dtype for t in sends}) > 1
-        as_sent = [t.view(torch.uint8) if mixed else t for t in sends]
-        send = torch.cat(as_sent) if as_sent else full.new_empty(0)
-        got = send.new_empty(n * send.numel())
-        # (B,) per rank -> (N*B,): the plain rows and the subclasses' inputs, in one
-        work = ctx.all_gather(got, send, group=group, unit=unit, phase=phase, async_op=True)
-        return _Arrived(work, send, got, goes, [t.numel() for t in as_sent], mixed,
-                        forms, full.dtype, n)
-
-    def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str, ctx: api.Comm) -> api.Work:
-        return self.inner.reduce_scatter(grad, slot, op=op, group=group, unit=unit,
-                                         phase=phase, ctx=ctx)
-
-    def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
-                   ctx: api.Comm) -> None:
-        self.inner.all_reduce(tensor, op=op, group=group, unit=unit, phase=phase, ctx=ctx)
-
-
-class _Arrived:
-    """The all-gather in flight; ``wait()`` copies each piece where it goes (FSDP2's
-    ``split_with_sizes_copy``) and hands the subclasses their outputs."""
-
-    def __init__(self, work, send, got, goes, sizes, mixed, forms, param_dtype, n):
-        self.work, self.send, self.got, self.goes = work, send, got, goes  # (alive till then)
-        self.sizes, self.mixed, self.forms = sizes, mixed, forms
-        self.param_dtype, self.n = param_dtype, n
-
-    def wait(self):
-        self.work.wait()
-        if self.sizes:
-            outs = [go if torch.is_tensor(go) else go[0].output(go[1], go[2], self.n)
-                    for go in self.goes]
-            outs = [t.view(torch.uint8) if self.mixed else t for t in outs]
-            # (outputs autograd may hold for backward are refilled, not changed: FSDP2's way)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                torch.split_with_sizes_copy(self.got.view(self.n, -1), self.sizes, dim=1,
-                                            out=outs)
-        for form in self.forms.values():
-            form.arrived(self.param_dtype)
-        self.send = self.got = self.goes = None

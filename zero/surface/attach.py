@@ -146,7 +146,7 @@ def _by_policy(units: list) -> dict:
     """Each offload policy, with its units, in the units' order."""
     policies: dict = {}
     for unit in units:
-        policies.setdefault(unit.config.offload, []).append(unit)
+        policies.setdefault(unit.offload, []).append(unit)
     return policies
 
 
@@ -263,7 +263,7 @@ def _adopt_after_load(module, incompatible_keys) -> None:
     units = registry.units_on(module)
     if units and not state_dict_access_granted():  # (zero's own loads put views there)
         comm.agree(f"adopt what load_state_dict put in {type(module).__name__}"
-                   f"{adoption.pending(units)}", group=units[0].mesh.all_group,
+                   f"{adoption.pending(units)}", group=units[0].all_group,
                    ctx=units[0].root.context,
                    fix="Call load_state_dict on every rank, with the same kind of values "
                        "(assign=True everywhere, or nowhere), so that every rank adopts the "

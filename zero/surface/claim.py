@@ -33,9 +33,9 @@ def claim(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forward
 
     children = list({u: None for top in modules for m in top.modules() for u in units_on(m)})
     for child in children:
-        if child.config.stage.number != stage:
+        if child.stage != stage:
             raise ValueError(
-                f"{child.name} is a stage-{child.config.stage.number} unit but this call asks "
+                f"{child.name} is a stage-{child.stage} unit but this call asks "
                 f"for stage {stage}; use one stage for all units of a model")
     params, locations = _own_parameters(modules, children, ignored)
     dtypes = {p.dtype for p in params}

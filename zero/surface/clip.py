@@ -39,16 +39,16 @@ def clip_grad_norm_(
     placement.refuse(units, "zero.clip_grad_norm_", "clip with torch.nn.utils."
                      "clip_grad_norm_(model.parameters(), max_norm), which reads the DTensor "
                      "gradients whole (group the parameters by mesh, as torchtitan does)")
-    group = units[0].mesh.group  # the shard group: replicas (HSDP) hold equal shards
+    group = units[0].group  # the shard group: replicas (HSDP) hold equal shards
     ctx = units[0].root.context
-    with comm.raising_together(units[0].mesh.all_group, ctx=ctx):
+    with comm.raising_together(units[0].all_group, ctx=ctx):
         loose = [n for n, p in model.named_parameters()
                  if not registry.is_piece(p) and not registry.is_ignored(p)]
         if loose:
             raise ValueError(f"parameters {loose} are not sharded: call zero.shard on the root "
                              "module")
     comm.agree(f"clip gradients to a {norm_type}-norm of {max_norm}",
-               group=units[0].mesh.all_group, ctx=ctx,
+               group=units[0].all_group, ctx=ctx,
                fix="Call zero.clip_grad_norm_ on every rank, with the same arguments")
     with_grad = [p for p in model.parameters() if p.grad is not None]
     grads = [local_tensor(p.grad) for p in with_grad if registry.is_piece(p)]  # (rows: this rank's)

@@ -94,10 +94,9 @@ def set_reshard_after_forward(module: nn.Module, reshard_after_forward: bool,
                               recurse: bool = True) -> None:
     """Stage 3: free the parameters after forward (True) or keep them for backward (False)."""
     for unit in _units(module, recurse):
-        if unit.config.stage.keep_params:
+        if not unit.set_reshard_after_forward(reshard_after_forward):
             raise ValueError("reshard_after_forward only applies to stage 3: stages 1 and 2 "
                              "always keep their full parameters")
-        unit.controls.reshard_after_forward = reshard_after_forward
 
 
 def set_reshard_after_backward(module: nn.Module, reshard_after_backward: bool,

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from zero.core import registry
-from zero.features.all_gather_extension import SubclassForm, SubclassGather
+from zero.features.all_gather_extension import SubclassForm
 from zero.features.custom_collectives import CustomCollectives
 from zero.surface import controls, meta_init
 from zero.surface.fsdp2_state import FSDPStateView
@@ -68,15 +68,13 @@ class ZeroFSDPModule(FSDPModule):
                              f"{type(reshard_after_forward)}: a group size to reshard to "
                              "is fully_shard(reshard_after_forward=<int>)'s")
         for unit in self._units(recurse):
-            if unit.config.stage.frees_parameters:
-                unit.controls.reshard_after_forward = reshard_after_forward
-            elif reshard_after_forward:
-                not_freed(f"set_reshard_after_forward(True) at stage {unit.config.stage.number}")
+            if not unit.set_reshard_after_forward(reshard_after_forward) and reshard_after_forward:
+                not_freed(f"set_reshard_after_forward(True) at stage {unit.stage}")
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
         """Stage 3 (at stages 1 and 2 the parameters stay gathered, as ``not_freed`` says)."""
-        if reshard_after_backward and any(not u.config.stage.frees_parameters
+        if reshard_after_backward and any(not u.frees_parameters
                                           for u in self._units(recurse)):
             not_freed("set_reshard_after_backward(True)")
         controls.set_reshard_after_backward(self._module, reshard_after_backward, recurse=recurse)
@@ -142,7 +140,7 @@ class ZeroFSDPModule(FSDPModule):
         all-reduce if any and before the division after the sum: a reduction of the user's
         own (a custom HSDP), on ``stream`` (default: the all-reduce stream)."""
         for unit in self._units():
-            if stream is not None and getattr(unit.mesh, "replicate_group", None) is not None:
+            if stream is not None and unit.replicated:
                 raise ValueError("set_all_reduce_hook(stream=...) with HSDP: the hook runs "
                                  "after HSDP's all-reduce, on its stream; drop stream=")
             unit.controls.all_reduce_hook = (hook, stream)
@@ -168,15 +166,9 @@ class ZeroFSDPModule(FSDPModule):
     def _change_collectives(self, change, recurse: bool = False) -> None:
         """Give this module's units (and those below, with ``recurse``) the comm policy
         ``change(policy, unit)`` makes from the ``CustomCollectives`` ``fully_shard`` gave
-        them (inside ``SubclassGather`` for a unit whose parameters gather themselves).
-        Policies are frozen: each unit takes a changed copy (``Unit.use_comm``)."""
-        def changed(policy, unit):
-            if isinstance(policy, SubclassGather):
-                return policy.around(change(policy.inner, unit))
-            return change(policy, unit)
-
+        them. Policies are frozen: each unit takes a changed copy (``Unit.use_comm``)."""
         for unit in self._units(recurse):
-            unit.use_comm(partial(changed, unit=unit))
+            unit.use_comm(partial(change, unit=unit))
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's ``AllGather`` object (``allocate`` and ``__call__``) gathers this module's
@@ -212,7 +204,7 @@ class ZeroFSDPModule(FSDPModule):
             SymmMemAllGather, SymmMemReduceScatter)
 
         def change(policy: CustomCollectives, unit) -> CustomCollectives:
-            group = cast(dist.ProcessGroup, unit.mesh.group or dist.group.WORLD)
+            group = cast(dist.ProcessGroup, unit.group or dist.group.WORLD)
             if dist.get_backend(group) != "nccl":
                 raise ValueError(
                     f"set_symm_mem_for_comm({backend!r}): symmetric memory is NCCL's, on CUDA; "
@@ -231,7 +223,7 @@ class ZeroFSDPModule(FSDPModule):
         made: dict = {}
 
         def change(policy: CustomCollectives, unit) -> CustomCollectives:
-            group, groups = unit.mesh.group, dict(policy.reduce_scatter_groups)
+            group, groups = unit.group, dict(policy.reduce_scatter_groups)
             if not enable:
                 groups.pop(group, None)
                 return replace(policy, reduce_scatter_groups=groups)

@@ -50,7 +50,7 @@ def _gathered(unit) -> torch.Tensor:
     """The unit's parameters whole, laid out as it computes with them (rows: copied out)."""
     flat = unit.sharded.new_empty(unit.layout.padded_numel)
     # (S,) per rank -> (N*S,): the master weights, whole
-    comm.all_gather(flat, unit.sharded, group=unit.mesh.group, unit=unit.name, phase="other",
+    comm.all_gather(flat, unit.sharded, group=unit.group, unit=unit.name, phase="other",
                     ctx=unit.root.context)
     return unit.layout.from_wire(flat)
 
@@ -76,7 +76,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
     units = units_of(model)
     placement.refuse(units, "zero.load_full_state_dict", TP_FIX)
     _refuse_meta(model)
-    group, ctx = units[0].mesh.all_group, units[0].root.context
+    group, ctx = units[0].all_group, units[0].root.context
     adoption.adopt_agreed(units, f"load a full state dict (broadcast_from_rank0="
                                  f"{broadcast_from_rank0})",
                           fix="Call zero.load_full_state_dict on every rank, with the same "

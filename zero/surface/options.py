@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Options:
     """``zero.shard``'s arguments but the module (its docstring says what each does)."""
 

@@ -299,20 +299,19 @@ def _make_units(modules, params, locations, stage, mp_policy, layout, offload, d
     for k, g in enumerate(groups):
         mine = [params[i] for i in g]
         master_dtype = mine[0].dtype if g else torch.float32
-        placed, laid, comm, placements = layout, mine, comm_policy, None
+        placed, laid, forms = layout, mine, None
         if composed:  # a layout placing tensor-parallel and Shard(d) parameters, and what it
-            placed, laid, placements = placement.lay_out(  # lays out; a tensor subclass
-                layout, mine, mesh_info.world_size, o.shard_placement_fn)  # deciding its own
-            comm = all_gather_extension.policy(comm_policy, mine)  # all-gather (FSDP2's)
-        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, placed, comm,
+            placed, laid, placements = placement.lay_out(  # lays out
+                layout, mine, mesh_info.world_size, o.shard_placement_fn)
+        config = UnitConfig.make(STAGES[stage], mp_policy, master_dtype, placed, comm_policy,
                                  offload, device)
+        if composed:  # each parameter's own form: a DTensor on its tensor-parallel mesh, or a
+            forms = [tp or sub for tp, sub in zip(  # tensor subclass deciding its all-gather
+                placement.forms(placements), all_gather_extension.forms(mine, config))]
         controls = Controls(reshard_after_forward=o.reshard_after_forward,
                             broadcast_buffers=o.broadcast_buffers and k == 0)
         units.append(Unit(modules, laid, [locations[i] for i in g], config, mesh_info,
-                          controls, root))
-        if composed:  # each such parameter's own form (``ShardedParam.form``)
-            placement.dress(units[-1], placements)
-            all_gather_extension.dress(units[-1], mine)
+                          controls, root, forms))
     root.add(units)
     for sibling in units[1:]:  # the trainable one, if any: the others follow it
         sibling.place_under(units[0], sibling=True)
