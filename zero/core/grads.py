@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from zero.comm.context import finish
+from zero.comm.context import CommContext, finish
 from zero.core.flat import LocalShard
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Gradient:
         else:
             self.unsynced += grad
 
-    def start_reduce(self, ctx) -> None:
+    def start_reduce(self, ctx: CommContext) -> None:
         """Start reducing: (N*S,) full flat gradient -> (S,) this rank's shard of the mean,
         through ``ctx`` (the root's ``CommContext``), on its reduce-scatter stream.
 
@@ -174,7 +174,7 @@ class Gradient:
         # keeping it for one slot would cost the whole copy).
         self.reduction = Reduction(work, grad, d, kept, event)
 
-    def wait_reduce(self, ctx) -> None:
+    def wait_reduce(self, ctx: CommContext) -> None:
         if self.reduction is None:
             return
         work, grad, d, keep, event = self.reduction
@@ -213,7 +213,7 @@ class Gradient:
         return not self.controls.requires_all_reduce and getattr(self.mesh, "replicate_group",
                                                         None) is not None
 
-    def _run_all_reduce_hook(self, hook, stream, shard: torch.Tensor, ctx) -> None:
+    def _run_all_reduce_hook(self, hook, stream, shard: torch.Tensor, ctx: CommContext) -> None:
         """FSDP2's all-reduce hook: on the reduced shard (after HSDP's all-reduce, before the
         division after the sum), on the stream given or the all-reduce stream."""
         streams = ctx.streams(shard.device)

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from zero.api import Layout, Piece, ShardInfo, Work
+from zero.api import Comm, Layout, Piece, ShardInfo, Work
 from zero.comm.context import finish
 from zero.core.flat import LocalShard
 from zero.core.placement import Placement
@@ -172,7 +172,7 @@ class CopiedOut:
 
 
 def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor, forms: dict,
-                   mesh: DeviceMesh, *, group, unit: str, phase: str, ctx) -> Work:
+                   mesh: DeviceMesh, *, group, unit: str, phase: str, ctx: Comm) -> Work:
     """A unit's all-gather when some parameters' forms decide what they send (``forms``: index
     -> ``SendingForm``, FSDP2's all-gather extension): one collective of this rank's plain
     rows, in ``full``'s dtype, and each such form's inputs, as bytes when their dtypes differ

@@ -40,12 +40,11 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from zero import api
-from zero.comm.flat_collectives import FlatCollectives
+from zero.core.config import UnitConfig
 
 
 def has_extension(t: torch.Tensor) -> bool:
@@ -94,7 +93,7 @@ def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
                              "leave offload_policy unset for this model")
 
 
-def forms(originals, config) -> list:
+def forms(originals, config: UnitConfig) -> list:
     """Per parameter of a unit about to be built: how to make its ``SubclassForm`` if it has
     the extension (the subclass around its rows, computing with what the subclass builds),
     else None. ``config``: the unit's (FSDP2 hands a 5-argument ``fsdp_pre_all_gather`` its

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zero import api
 from zero.comm.backend import OPS
 from zero.comm.flat_collectives import FlatCollectives
 
@@ -81,7 +82,7 @@ class CustomCollectives:
         return torch.empty(size, dtype=like.dtype, device=like.device)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str, ctx):
+                   in_place: bool, group, unit: str, phase: str, ctx: api.Comm):
         """``full`` (N*S,) from every rank's ``shard`` (S,); a handle whose ``wait()`` leaves
         it filled (``FlatCollectives.all_gather``'s contract)."""
         comm = self.all_gather_comm
@@ -105,7 +106,7 @@ class CustomCollectives:
         return _Then(work, lambda: full.copy_(wire), full.device)
 
     def reduce_scatter(self, grad: torch.Tensor, slot: slice, *, op: str, group, unit: str,
-                       phase: str, ctx):
+                       phase: str, ctx: api.Comm):
         """``grad`` (N*S,) reduced over the ranks into ``grad[slot]`` (S,); a handle."""
         group = self.reduce_scatter_groups.get(group, group)
         comm = self.reduce_scatter_comm
@@ -127,7 +128,7 @@ class CustomCollectives:
         return _Then(work, lambda: grad[slot].copy_(out), grad.device)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, group, unit: str, phase: str,
-                   ctx) -> None:
+                   ctx: api.Comm) -> None:
         """HSDP's all-reduce over the replicas: zero's own (FSDP2 offers no object for it)."""
         _OWN.all_reduce(tensor, op=op, group=group, unit=unit, phase=phase, ctx=ctx)
 

@@ -38,6 +38,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
+from zero import api
 from zero.core import registry
 from zero.core.optimizers import ELEMENTWISE
 from zero.features.disk_store import StateStore
@@ -61,7 +62,7 @@ class DiskOffload(CPUOffload):
         super().__init__(pin_memory=pin_memory)
         object.__setattr__(self, "directory", os.fspath(directory))  # (frozen)
 
-    def check(self, layout) -> None:
+    def check(self, layout: type[api.Layout]) -> None:
         if layout.exposes_dtensors:  # (its state is DTensors: the buffers would need wrapping)
             raise ValueError("DiskOffload does not support layout='rows' yet (the optimizer "
                              "state of DTensor parameters is DTensors): use layout='flat' or "
