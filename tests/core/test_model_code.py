@@ -10,7 +10,9 @@ computes) where it does not, and FSDP2 where only FSDP2 has the same feature.
 """
 
 import contextlib
+import gc
 import os
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -27,7 +29,7 @@ from compare import (DIM, ZERO, Net, System, Tanh, batch_of, compare, inner,
 from conftest import sample
 from harness import run_ranks
 from zerolab.measure import CommBytes
-from zerolab.models import GPT, LoRAStack
+from zerolab.models import GPT, GPTConfig, LoRAStack
 from zerolab.systems import average_gradients
 
 
@@ -523,3 +525,40 @@ def test_units_in_another_order_on_each_rank_raise_at_stages_2_and_3(kind, check
     # wrongly and the first step is wrong. Check mode raises at the first such collective;
     # without it, the next forward's agreement raises, on every rank, before a second step.
     assert run_ranks(_in_mode, 2, check, _rank_order_raises, kind) == [(step, True)] * 2
+
+
+def _deleted_models(rank, n):
+    """Train a model, delete it, build the next (a sweep, a learning-rate finder), in one
+    process; a collector pass runs inside the next model's step (as one may at any
+    allocation), while torch walks its optimizer hooks."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    before, out = len(hooks), []
+    collect = register_optimizer_step_pre_hook(
+        lambda *args: [gc.collect(), None][1])
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(layers=2, dim=32, vocab=64, seq=8))
+        for unit in model.units():
+            zero.shard(unit, stage=stage)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for s in range(2):
+            x, y = model.batch(2, torch.Generator().manual_seed(rank + s))
+            model.loss(model(x), y).backward()
+            opt.step()  # (the collector runs here, while the last model's root may die)
+            opt.zero_grad()
+        out.append([weakref.ref(u) for u in zero.units_of(model)])
+        del model, opt, unit  # (collected in the next model's step, if not before)
+    collect.remove()
+    gc.collect()
+    return [sum(u() is not None for u in units) for units in out], len(hooks) - before
+
+
+def test_a_deleted_model_is_freed_even_while_another_optimizer_steps():
+    """A sharded model, once deleted, gives its shards back: every unit is collected, at
+    every stage, even while another model's optimizer steps. (The hook on each unit's flat
+    leaf held the unit, out of the collector's reach: a trained model was never freed; and
+    a listener per model, removed with it, raised inside another optimizer's step.)"""
+    for alive, watches in run_ranks(_deleted_models, 2):
+        assert alive == [0, 0, 0] and watches <= 1, (alive, watches)  # (the process's watch)

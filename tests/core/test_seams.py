@@ -28,6 +28,7 @@ import zero
 from conftest import sample
 from harness import run_ranks
 from zero.features.logging_backend import LoggingBackend
+from zero.surface.attach import discover
 from zerolab.memory import schedule
 from zerolab.models import GPT, GPTConfig
 from zerolab.trackers import MODEL_STATES, ZeroMemTracker
@@ -197,13 +198,11 @@ def test_an_offload_policy_need_not_subclass_zeros():
 
 def _one_context(rank, n, tmp):
     backend = LoggingBackend(os.path.join(tmp, f"rank{rank}.log"))
-    hooks = _global_optimizer_pre_hooks
-    before = len(hooks)
     model, opt = _gpt(3, layers=3, backend=backend, root_only=True)
     units = zero.units_of(model)
     roots = {id(u.root) for u in units}
     contexts = {id(u.root.context) for u in units}
-    watches = len(hooks) - before  # (the roots below, taken over, listen no more)
+    watches = sum(h is discover for h in _global_optimizer_pre_hooks.values())  # (a process's)
     open(backend.path, "w").close()
     with zero.Ledger() as ledger:
         _step(model, opt, rank)
@@ -212,8 +211,8 @@ def _one_context(rank, n, tmp):
 
 
 def test_one_context_per_root_carries_every_collective_of_every_unit(tmp_path):
-    """A model sharded in 4 calls has one root, one context and one optimizer watch; the
-    backend given to the root's call carries every collective of every
+    """A model sharded in 4 calls has one root and one context, and the process one
+    optimizer watch; the backend given to the root's call carries every collective of every
     unit (it once carried 6 of a step's 8 all-gathers, the rest going through
     torch.distributed unseen)."""
     for units, watches, roots, contexts, logged, recorded in run_ranks(_one_context, 2,

@@ -39,6 +39,7 @@ prefetched unit would hold anyway.
 from __future__ import annotations
 
 import sys
+import weakref
 from functools import partial
 from types import FrameType
 from typing import Any
@@ -82,10 +83,14 @@ def pre_backward(unit, grad: torch.Tensor) -> None:
         _pre_backward(unit, grad)
 
 
-def post_backward(unit, leaf: torch.Tensor) -> None:
-    """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``)."""
-    with label("post_backward", unit.name):
-        _post_backward(unit, leaf)
+def post_backward(ref: weakref.ref, leaf: torch.Tensor) -> None:
+    """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``). The
+    hook holds its unit weakly: a tensor's hooks are out of the garbage collector's reach,
+    and a strong reference there would keep a deleted model, shards and all, alive."""
+    unit = ref()
+    if unit is not None:
+        with label("post_backward", unit.name):
+            _post_backward(unit, leaf)
 
 
 def _pre_forward(unit, module: nn.Module, args: Any, kwargs: Any):
@@ -239,7 +244,7 @@ def _make_views(unit, wants: tuple[bool, ...]) -> list[torch.Tensor]:
         unit.unsharded.requires_grad_(any(wants))
     if any(wants) and unit.post_backward_handle is None:
         unit.post_backward_handle = unit.unsharded.register_post_accumulate_grad_hook(
-            partial(post_backward, unit))
+            partial(post_backward, weakref.ref(unit)))
     views = []
     # Even under no_grad or inference_mode (an eval forward, reentrant checkpointing's
     # first pass) the views must lead to the leaf: a later forward may reuse them.

@@ -24,22 +24,24 @@ results; each way in gets a hook that either does the right thing or raises, nam
   ``zero.load_full_state_dict`` and ``zero.save`` / ``zero.load``.
 
 [Note: finding the optimizers] torch gives no hook for an optimizer being built, so zero
-learns of one at its first step. Each root listens (``watch``) with torch's global step
-pre-hook, which asks each optimizer stepping whether it holds the root's pieces and attaches
-the two hooks above if so. It listens for as long as the root lives: an optimizer may be
-built at any time (a second fine-tuning phase, ``Trainer.train()`` called again, Lightning's
-learning-rate finder), and one that got no hooks would give its state dict in pieces without
-a word and skip the offload policies' part of the step. For an optimizer already looked at,
-the global hook returns after one look at its ``_zero_seen`` mark.
+learns of one at its first step. The first ``zero.shard`` of a process listens (``watch``)
+with torch's global step pre-hook, which asks each optimizer stepping whether it holds zero's
+pieces and attaches the two hooks above if so. It listens for the life of the process: an
+optimizer may be built at any time (a second fine-tuning phase, ``Trainer.train()`` called
+again, Lightning's learning-rate finder), and one that got no hooks would give its state
+dict in pieces without a word and skip the offload policies' part of the step. It holds no
+model (a listener per model, removed with it, could be removed while torch walks the hooks
+in another optimizer's step, which raises). For an optimizer already looked at, the global
+hook returns after one look at its ``_zero_seen`` mark.
 """
 
 from __future__ import annotations
 
-import weakref
 from functools import partial
 
 import torch
 import torch.nn as nn
+from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zero import comm
@@ -76,17 +78,21 @@ def install(modules: list[nn.Module]) -> None:
             setattr(module, "_zero_state_dict_hooks", True)
 
 
-def watch(root) -> None:
-    """Listen for the first step of the optimizers over ``root``'s units (module note)."""
-    ref = weakref.ref(root)
+def watch() -> None:
+    """Listen for the first step of the optimizers over zero's units (module note): once a
+    process, with one listener that holds nothing (it asks each optimizer what it holds), so
+    that nothing of a model outlives it and nothing is removed while torch walks the hooks."""
+    marked = torch_optimizer  # (zero's mark on torch's module, beside the hooks it keeps)
+    if not getattr(marked, "_zero_watching", False):
+        register_optimizer_step_pre_hook(discover)
+        setattr(marked, "_zero_watching", True)
 
-    def discover(optimizer, args, kwargs) -> None:
-        alive = ref()
-        if alive is not None and alive.unit.root is alive:  # (not taken over by a parent's
-            serve(optimizer)  # root, which watches its units now)
-        return None
 
-    weakref.finalize(root, register_optimizer_step_pre_hook(discover).remove)
+def discover(optimizer, args, kwargs) -> None:
+    """torch's global step pre-hook: attach zero's hooks to ``optimizer`` if it holds zero's
+    pieces (``serve``)."""
+    serve(optimizer)
+    return None
 
 
 def serve(optimizer) -> None:

@@ -223,7 +223,7 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
         if child.parent is None:
             child.place_under(units[0])
     _install(modules, units, originals, locations, names, o)
-    attach.watch(root)  # for the optimizers that will step these units
+    attach.watch()  # for the optimizers that will step these units
 
 
 def _context(o: Options):
