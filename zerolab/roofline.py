@@ -40,6 +40,11 @@ what each costs:
   and memory bandwidth): applied by ``zerolab/overlap.py`` to the time a collective is in
   flight.
 
+One more effect is the user's, not a source's: ``measured`` (``--matmul-rates FILE``), the
+rates a GPU measured for the step's own matmul shapes (``benchmarks/matmul_rates.py``,
+``zerolab/measured.py``). Where a shape was measured, its rate replaces the best-shape maximum
+by tiles and waves; ``effects_for`` puts it after ``waves`` when the device carries such rates.
+
 FLOPs of matmuls come from torch's own ``torch.utils.flop_counter`` formulas. What this
 does not know: fusion (``torch.compile`` would merge the memory-bound operators), the L2
 cache (a small operator's bytes may never reach HBM), and the CPU's own dispatch time when it
@@ -88,6 +93,7 @@ class Op:
     dense_flops: float = 0.0  # attention's FLOPs as if not causal (how model FLOPs count them)
     shape: tuple[int, int, int] = (0, 0, 0)  # a matmul's (batch, rows, columns) of output
     backward: bool = False  # an attention kernel's backward (its own efficiency)
+    layout: str = ""  # a matmul's operands as read: "NN", "NT", "TN", "TT" (T: transposed)
 
 
 def _tensors(x):
@@ -154,6 +160,16 @@ def matmul_shape(func, args) -> tuple[int, int, int]:
     return (int(batch), int(a.shape[-2]), int(b.shape[-1]))
 
 
+def matmul_layout(func, args) -> str:
+    """Whether each operand of a matmul is read transposed ("T": its last dimension is not
+    the contiguous one), as cuBLAS picks its kernel by: "NN", "NT", "TN" or "TT"."""
+    where = _SHAPED.get(func._overloadpacket.__name__)
+    if where is None:
+        return ""
+    return "".join("T" if t.dim() >= 2 and t.stride(-1) != 1 and t.shape[-1] > 1 else "N"
+                   for t in (args[where[0]], args[where[1]]))
+
+
 def cost_of(func, args, kwargs, out, host: torch.device | None = None) -> Op | None:
     """What one operator costs (None for a view or an allocation, which move nothing); an
     operator on ``host`` tensors (CPU offload's optimizer step) moves host memory."""
@@ -176,7 +192,7 @@ def cost_of(func, args, kwargs, out, host: torch.device | None = None) -> Op | N
     if packet in flop_registry:
         flops = float(flop_registry[packet](*args, **(kwargs or {}), out_val=out))
         return Op("matmul", flops, _nbytes(inputs) + _nbytes(outputs), low, flops,
-                  matmul_shape(func, args))
+                  matmul_shape(func, args), layout=matmul_layout(func, args))
     if packet is getattr(aten, "_grouped_mm", None):
         flops = _grouped_mm_flops(args)
         return Op("matmul", flops, _nbytes(inputs) + _nbytes(outputs), low, flops)
@@ -222,6 +238,7 @@ class OpCosts(TorchDispatchMode):
 
 
 EFFECTS = ("mamf", "waves", "attention", "kernel", "hbm", "launch", "power", "contention")
+MEASURED = "measured"  # the user's measured matmul rates (--matmul-rates), after "waves"
 # An attention kernel's throughput over FlashAttention-2's, (forward, backward). "triton":
 # FlashAttention in Triton (HazyResearch's flash_attn_triton.py, the kernel of MPT's
 # attn_impl: triton): FlashAttention-2 is 1.3-1.5x faster forward and about 2x faster backward
@@ -247,6 +264,18 @@ class Device:
     attention_kernel: str = "flash2"  # ATTENTION_KERNELS: the kernel the run used
     clock_factor: float = 1.0  # the peak under the run's power limit / rated
     comm_slowdown: float = 0.0  # compute's slowdown while a collective runs
+    # the rates a GPU measured for the step's matmul shapes (zerolab.measured.MatmulRates):
+    # ``tflops(op)``, None for a shape it did not measure; None: no measurement given
+    matmul_rates: object = None
+
+
+def effects_for(device: Device) -> tuple[str, ...]:
+    """The effects that price ops on ``device``, in ``--explain``'s order: ``EFFECTS``, and
+    ``MEASURED`` after ``waves`` where the device carries measured matmul rates."""
+    if device.matmul_rates is None:
+        return EFFECTS
+    i = EFFECTS.index("waves") + 1
+    return EFFECTS[:i] + (MEASURED,) + EFFECTS[i:]
 
 
 def wave_efficiency(shape: tuple[int, int, int], sms: int) -> float:
@@ -282,9 +311,14 @@ class Roofline:
         memory = op.bytes / bandwidth
         floor = d.launch_us * 1e-6 if "launch" in on else 0.0
         if op.kind == "matmul":
-            rate = peak * (d.matmul_efficiency if "mamf" in on else 1.0)
-            if "waves" in on:
-                rate *= wave_efficiency(op.shape, d.sms)
+            measured = (d.matmul_rates.tflops(op) if MEASURED in on and d.matmul_rates
+                        else None)
+            if measured:  # the measured rate in place of the maximum by tiles and waves
+                rate = measured * 1e12 * self.scale * (d.clock_factor if "power" in on else 1.0)
+            else:
+                rate = peak * (d.matmul_efficiency if "mamf" in on else 1.0)
+                if "waves" in on:
+                    rate *= wave_efficiency(op.shape, d.sms)
             return max(op.flops / rate, memory, floor)
         if op.kind == "attention":
             rate = peak * (d.attention_efficiency if "attention" in on else 1.0)

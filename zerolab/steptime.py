@@ -15,7 +15,9 @@ ran in. Here:
 
 ``explain`` prices the same step with the roofline's effects (``roofline.EFFECTS``) added one
 at a time, from every operator at the rated peak and bandwidth: what each effect adds to the
-step, in that order, and the exposed communication on top: ``--explain``'s lines.
+step, in that order, and the exposed communication on top: ``--explain``'s lines. With
+measured matmul rates (``--matmul-rates``, ``zerolab/measured.py``) the effect ``measured``
+comes after ``waves``: what the measured rates change from the MAMF-and-tiles ones.
 
 DDP runs no collective in the simulation (its reducer cannot run on fake tensors); its
 all-reduces are its buckets over the gradients, each complete when the last of its
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 from zerolab import overlap
 from zerolab.cost import Call, record_time
-from zerolab.roofline import EFFECTS, Roofline
+from zerolab.measured import coverage
+# (EFFECTS: benchmarks/compare_stages.py reads it here, as steptime.EFFECTS)
+from zerolab.roofline import EFFECTS, MEASURED, Roofline, effects_for  # noqa: F401
 
 GATHERS = ("all_gather", "broadcast", "h2d", "read")  # what a unit needs before it computes
 DDP_BUCKETS = (1 << 20, 25 << 20)  # DDP's first bucket, then every other (bucket_cap_mb=25)
@@ -82,10 +86,12 @@ def buckets(grads, depth: int, n: int, cluster) -> list[tuple[int, float]]:
 
 
 def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float = 1.0,
-              effects=EFFECTS) -> dict:
-    """The step of one simulated run on ``preset`` with the roofline's ``effects``: its
-    seconds, compute, exposed communication, compute by kind of operator, and all
-    communication one after another."""
+              effects=None) -> dict:
+    """The step of one simulated run on ``preset`` with the roofline's ``effects`` (None:
+    all of them, ``effects_for`` the preset's GPU): its seconds, compute, exposed
+    communication, compute by kind of operator, and all communication one after another;
+    with measured matmul rates, the matmul FLOPs and how many of them were measured."""
+    effects = effects_for(preset.device) if effects is None else effects
     roof = Roofline(preset.device, scale, preset.cluster.host_memory_gbs, frozenset(effects))
     depth = run["depth"]
     keys = piece_keys(depth)
@@ -102,18 +108,23 @@ def step_time(run: dict, kind: str, preset, mixed_precision: bool, scale: float 
     out["comm_s"] = sum(t.seconds for t in tasks)
     out["compute_s_by_kind"] = {kind_: sum(priced[k][kind_] for k in keys)
                                 for kind_ in ("matmul", "attention", "memory", "host")}
+    rates = preset.device.matmul_rates
+    if rates is not None and MEASURED in effects:
+        out["matmul_flops_measured"], out["matmul_flops"] = coverage(
+            (op for k in keys for op in run["ops"].get(k, [])), rates)
     return out
 
 
 def explain(run: dict, kind: str, preset, mixed_precision: bool, scale: float = 1.0) -> dict:
     """Seconds of the step by cause: "rated" (every operator at the rated peak and
-    bandwidth), then what each effect of ``EFFECTS`` adds, in order, and "exposed" (the
-    communication left exposed with every effect on). They sum to the step."""
+    bandwidth), then what each effect of ``effects_for`` the GPU adds, in order, and "exposed"
+    (the communication left exposed with every effect on). They sum to the step."""
     out, before = {}, 0.0
-    for i in range(len(EFFECTS) + 1):
-        t = step_time(run, kind, preset, mixed_precision, scale, EFFECTS[:i])
+    effects = effects_for(preset.device)
+    for i in range(len(effects) + 1):
+        t = step_time(run, kind, preset, mixed_precision, scale, effects[:i])
         busy = t["step_s"] - t["exposed_comm_s"]  # computing, slowed by contention
-        out["rated" if i == 0 else EFFECTS[i - 1]] = busy - before
+        out["rated" if i == 0 else effects[i - 1]] = busy - before
         before = busy
     out["exposed"] = t["exposed_comm_s"]
     return out
