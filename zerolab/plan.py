@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero
-from zerolab import roofline, steptime
+from zerolab import measured, roofline, steptime
 from zerolab.clusters import PRESETS, preset
 from zerolab.cost import Call, step_time
 from zerolab.measure import _OPS, _group_size, _size
@@ -71,11 +71,12 @@ MULTI_NODE = ("zero3-hsdp", "zero3-hpz", "zero3-qgz")  # need 2 nodes or more
 # rank costs ~70 bytes (benchmarks/simulate.py measured it).
 MAX_MODULES, MAX_WORLD_SIZE = 2000, 1_000_000
 SAMPLE = (3, 4)  # the depths simulated when the blocks are alike
+# --explain's columns (steptime.explain's keys; "measured" only with --matmul-rates)
 CAUSES = {"rated": "rated peak s", "mamf": "matmuls' maximum", "waves": "tile waves",
-          "attention": "attention kernel", "kernel": "run's own attention",
-          "hbm": "achieved HBM", "launch": "launches",
+          "measured": "measured matmuls", "attention": "attention kernel",
+          "kernel": "run's own attention", "hbm": "achieved HBM", "launch": "launches",
           "power": "power limit", "contention": "beside collectives",
-          "exposed": "exposed comm"}  # --explain's columns (steptime.explain's keys)
+          "exposed": "exposed comm"}
 
 
 class StepRecorder(roofline.OpCosts):
@@ -553,10 +554,49 @@ def warnings_for(info: dict, systems, n: int) -> list[str]:
     return out
 
 
-def plan(args) -> tuple[dict, list[dict]]:
-    """What MODEL is, and every system's row, cheapest that fits first."""
+def _preset(args):
+    """The preset with the command line's overrides, and the measured matmul rates of
+    ``--matmul-rates`` on its GPU (``zerolab/measured.py``) where given."""
+    from dataclasses import replace
+
     p = preset(args.cluster, args.memory_gb, args.tflops, args.intra_gbs, args.inter_gbs,
                args.gpus_per_node, getattr(args, "attention_kernel", None))
+    path = getattr(args, "matmul_rates", None)
+    if path is None:
+        return p
+    rates = measured.load(path, args.model, args.batch, args.seq, args.mixed_precision,
+                          args.activation_checkpointing)
+    return replace(p, device=replace(p.device, matmul_rates=rates))
+
+
+def _measured_warnings(p, rows: list[dict], args) -> list[str]:
+    """What measured matmul rates leave to the model: shapes not in the file, another GPU."""
+    rates = p.device.matmul_rates
+    if rates is None:
+        return []
+    out = []
+    family = p.device.name.split()[0]
+    if family not in rates.device:
+        out.append(f"--matmul-rates: measured on {rates.device}, and the preset's GPU is "
+                   f"{p.device.name}: its rates stand in for the preset's")
+    short = [r for r in rows if r.get("matmul_flops") and
+             r["matmul_flops_measured"] < (1 - 1e-9) * r["matmul_flops"]]
+    if short:
+        some = ", ".join(f"{r['system']} "
+                         f"{100 * r['matmul_flops_measured'] / r['matmul_flops']:.0f}%"
+                         for r in short)
+        fix = measured.command(args.model, args.batch, args.seq, args.mixed_precision,
+                               args.activation_checkpointing)
+        out.append(f"--matmul-rates: the file lacks some of this step's matmul shapes, which "
+                   f"keep the MAMF-and-tiles rate (share of the matmul FLOPs measured: {some}; "
+                   f"DDP computes in fp32, another batch or sequence has other shapes); to "
+                   f"measure them: {fix}")
+    return out
+
+
+def plan(args) -> tuple[dict, list[dict]]:
+    """What MODEL is, and every system's row, cheapest that fits first."""
+    p = _preset(args)
     gpn = p.cluster.ranks_per_node
     info = check(args.model, args.world_size, args.activation_checkpointing, args.exact,
                  args.seq, args.wrap_policy)
@@ -592,6 +632,7 @@ def plan(args) -> tuple[dict, list[dict]]:
             w for w in info["warnings"] if " left out: " in w) + ". Ask for another system, "
             "or for a world size of 2 or more full nodes")
     rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"]))
+    info["warnings"] += _measured_warnings(p, rows, args)
     return info, rows
 
 
@@ -611,8 +652,7 @@ def predict(model: str, systems, world_size: int, batch: int, seq: int,
 
 
 def table(info: dict, rows: list[dict], args) -> list[str]:
-    p = preset(args.cluster, args.memory_gb, args.tflops, args.intra_gbs, args.inter_gbs,
-               args.gpus_per_node, getattr(args, "attention_kernel", None))
+    p = _preset(args)
     how = ("simulated at 3 and 4 blocks and extended (they are alike)" if info["extend"] else
            "every block simulated")
     units = (f"{info['blocks']} blocks ({info['block_class']} in {info['block_list']}), one unit "
@@ -633,11 +673,14 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
     kernel = ("" if d.attention_kernel == "flash2" else
               f"; the run's {d.attention_kernel} kernel at {fwd:.2f} of its rate forward, "
               f"{bwd:.2f} backward")
+    rates = d.matmul_rates
+    where = (f"at the rates measured for their shapes (measured matmuls: {rates.source}), "
+             f"a shape not measured " if rates is not None else "")
     out = [f"Model {args.model}: {info['params']:,} parameters; {units}; {how}.{cache}",
            f"Batch {args.batch} x seq {args.seq} per rank{precision}"
            f"{f', {ac} activation checkpointing' if ac else ''}; {args.world_size} ranks.",
            f"Cluster: {p.cluster.name}; {p.memory_bytes / 1e9:g} GB a GPU ({p.source}).",
-           f"GPU time ({d.name}): matmuls at {100 * d.matmul_efficiency:.1f}% of "
+           f"GPU time ({d.name}): matmuls {where}at {100 * d.matmul_efficiency:.1f}% of "
            f"{p.tflops(args.mixed_precision):g} TFLOPS (measured maximum) by their tiles' waves "
            f"on {d.sms} SMs, attention at {100 * d.attention_efficiency:.0f}% (FlashAttention-2, "
            f"measured{kernel}), the rest at {100 * d.memory_efficiency:.0f}% of "
@@ -668,15 +711,21 @@ def table(info: dict, rows: list[dict], args) -> list[str]:
                 f"Peak GB: what is allocated (live tensors), not what the caching allocator "
                 f"reserves (its cache and fragmentation come on top)."]
     if getattr(args, "explain", False):
+        causes = [k for k in CAUSES if k in r0["step_s_by_cause"]]
         out += ["", "The step by cause (each effect added in turn to every operator at the rated "
                     "peak and bandwidth; zerolab/clusters.py names each source):", "",
-                "| system | " + " | ".join(CAUSES.values()) + " | step s |",
-                "|---|" + "---|" * (len(CAUSES) + 1)]
+                "| system | " + " | ".join(CAUSES[k] for k in causes) + " | step s |",
+                "|---|" + "---|" * (len(causes) + 1)]
         for r in rows:
             c = r["step_s_by_cause"]
             out.append(f"| {r['system']} | " + " | ".join(
-                f"{c[k]:.4f} ({100 * c[k] / r['predicted_step_s']:.1f}%)" for k in CAUSES)
+                f"{c[k]:.4f} ({100 * c[k] / r['predicted_step_s']:.1f}%)" for k in causes)
                 + f" | {r['predicted_step_s']:.4f} |")
+        if rates is not None:
+            out += ["", f"measured matmuls: {len(rates.rates)} shapes at the rates measured "
+                        f"for them, in place of the best-shape maximum by tiles and waves (the "
+                        f"column: what that changes); source: {rates.source} "
+                        f"(benchmarks/matmul_rates.py)."]
     for r in rows:
         if "host_bytes_per_rank" in r:
             out.append(f"\n{r['system']}: the host holds {r['host_bytes_per_rank'] / 1e9:.3f} GB "
@@ -718,6 +767,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--efficiency", type=float, default=1.0,
                    help="multiply every achievable compute rate by this: your measured compute "
                         "time over the plan's (default: %(default)s, the preset's sources)")
+    p.add_argument("--matmul-rates", default=None, metavar="FILE.json",
+                   help="the matmul rates a GPU measured for this model's shapes "
+                        "(benchmarks/matmul_rates.py), in place of the best-shape maximum by "
+                        "tiles and waves; a shape not in the file keeps that model (default: "
+                        "none)")
     p.add_argument("--mixed-precision", action="store_true",
                    help="bf16 compute, fp32 master and reduction (default: fp32)")
     p.add_argument("--batch", type=int, default=1,
