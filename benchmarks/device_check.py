@@ -26,6 +26,12 @@ and until it has run there, the CUDA path is untested. What it checks:
    (torch's sync debug mode): the emulation takes zero's agreement and used flags to run on
    the host, beside the device, which this counts (0 expected, as for DDP and FSDP2).
 
+Beside it, on the same GPU (about 2 minutes; notes/19, "Measuring your GPU's matmuls"), time
+the plan's matmuls at their own shapes, the rate no source gives for the H100 rows it is fast on:
+
+    python benchmarks/matmul_rates.py --model torchtitan:llama3:8B --batch 2 --seq 8192 \
+        --mixed-precision --activation-checkpointing selective --cluster h100-96gb
+
 Each line of the table says what ran, the result, and the seconds it took. ``--cpu-dry-run``
 runs the same code on the CPU with gloo and the small model (tests/zerolab/test_device_check.py), so
 that the script itself is tested where there is no device.
