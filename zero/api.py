@@ -48,6 +48,7 @@ from typing import Any, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 # ---- values a layout returns -----------------------------------------------------------------
 
@@ -117,6 +118,10 @@ class ParamForm(Protocol):
     contiguous (``Strided``). FSDP2 decides the same once per parameter
     (``FSDPParam.init_unsharded_param``)."""
 
+    @property
+    def sends(self) -> bool:
+        """Whether it decides what its parameter sends in the all-gather (a ``SendingForm``)."""
+
     def unsharded(self, view: torch.Tensor) -> torch.Tensor: ...  # after each gather
     def free(self) -> None: ...  # the unit reshards: drop what it holds besides the buffer
 
@@ -127,7 +132,7 @@ class SendingForm(ParamForm, Protocol):
     all-gather beside the other parameters' rows (``zero/core/rows.py``'s ``gather_sending``),
     and what arrived goes into outputs it owns."""
 
-    def inputs(self, mesh, padded_rows: int) -> list[torch.Tensor]: ...  # this rank's, 1-D
+    def inputs(self, mesh: DeviceMesh, padded_rows: int) -> list[torch.Tensor]: ...  # 1-D
     def output(self, k: int, like: torch.Tensor, world_size: int) -> torch.Tensor: ...  # (N, -1)
     def arrived(self, param_dtype: torch.dtype) -> None: ...  # the outputs are filled
 
@@ -258,10 +263,19 @@ class Backend(Protocol):
 
 
 def _members(protocol) -> tuple[list[str], list[str]]:
-    attributes = [n for n in protocol.__dict__.get("__annotations__", {})]
-    attributes += [n for n, v in vars(protocol).items() if isinstance(v, property)]
-    methods = [n for n, v in vars(protocol).items()
-               if inspect.isfunction(v) and (not n.startswith("_") or n == "__init__")]
+    """The attributes and methods ``protocol`` lists, with those of the protocols it extends
+    (``SendingForm`` is a ``ParamForm`` too); typing's own ``__init__`` is not one of them."""
+    attributes: list[str] = []
+    methods: list[str] = []
+    for cls in protocol.__mro__:
+        if cls.__module__ != protocol.__module__:  # (typing's Protocol, Generic, object)
+            continue
+        attributes += [n for n in cls.__dict__.get("__annotations__", {}) if n not in attributes]
+        attributes += [n for n, v in vars(cls).items() if isinstance(v, property)
+                       and n not in attributes]
+        methods += [n for n, v in vars(cls).items()
+                    if inspect.isfunction(v) and (not n.startswith("_") or n == "__init__")
+                    and v.__name__ != "_no_init_or_replace_init" and n not in methods]
     return attributes, methods
 
 
@@ -314,7 +328,7 @@ def mismatches(obj, protocol, probe=None) -> list[str]:
             continue
         if inspect.isclass(obj):  # an unbound function: drop self
             have = have.replace(parameters=list(have.parameters.values())[1:])
-        want = inspect.signature(vars(protocol)[name])
+        want = inspect.signature(getattr(protocol, name))
         why = _accepts(have, want)
         if why is not None:
             shown = str(want).replace("(self, ", "(").replace("(self)", "()")

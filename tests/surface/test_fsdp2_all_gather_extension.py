@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
@@ -295,19 +296,24 @@ def _refusals(rank, n):
     cases = {"flat": (SendsBF16, dict(layout="flat")),
              "comm_policy": (SendsBF16, dict(comm_policy=zero.QuantizedWeights())),
              "offload": (SendsBF16, dict(offload_policy=CPUOffloadPolicy(pin_memory=False))),
-             "only pre": (OnlyPre, {})}
+             "only pre": (OnlyPre, {}),
+             "hpZ": (SendsBF16, dict(secondary_group=[dist.new_group([r]) for r in range(n)][
+                 rank]))}
     torch.manual_seed(0)
     model = zero.fully_shard(wrap_weights(MLP(), SendsBF16), mesh=mesh)
-    try:  # (the subclass gathers itself: a custom AllGather would be left unused, silently)
-        model.set_custom_all_gather(object())
-        out["custom all-gather"] = "accepted"
-    except NotImplementedError as e:
-        out["custom all-gather"] = str(e)
+    for name, setting in (  # (the subclass gathers itself: what these set would go unused)
+            ("custom all-gather", lambda: model.set_custom_all_gather(object())),
+            ("allocate", lambda: model.set_allocate_memory_from_process_group_for_comm(True))):
+        try:
+            setting()
+            out[name] = "accepted"
+        except NotImplementedError as e:
+            out[name] = str(e)
     for name, (cls, kw) in cases.items():
         torch.manual_seed(0)
         model = wrap_weights(MLP(), cls)
         try:
-            if "comm_policy" in kw:
+            if "comm_policy" in kw or "secondary_group" in kw:
                 zero.shard(model, layout="rows", **kw)
             else:
                 zero.fully_shard(model, mesh=mesh, **kw)
@@ -324,9 +330,20 @@ def test_what_cannot_serve_the_extension_refuses_naming_why():
     assert "offload_policy" in out["offload"]
     assert "fsdp_post_all_gather" in out["only pre"]
     assert "set_custom_all_gather" in out["custom all-gather"], out["custom all-gather"]
+    assert "set_allocate_memory_from_process_group_for_comm" in out["allocate"], out["allocate"]
+    assert "hpZ" in out["hpZ"] and "up.weight" in out["hpZ"], out["hpZ"]
 
 
 def test_the_subclass_form_is_a_sending_form_by_zeros_own_protocol():
     from zero import api
     from zero.features.all_gather_extension import SubclassForm
     assert api.mismatches(SubclassForm, api.SendingForm) == []
+
+    class SendsOnly:  # (a SendingForm is a ParamForm too: what it extends is asked for)
+        sends = True
+
+        def inputs(self, mesh, padded_rows): ...
+        def output(self, k, like, world_size): ...
+        def arrived(self, param_dtype): ...
+    assert api.mismatches(SendsOnly, api.SendingForm) == [
+        "it lacks the method 'unsharded'", "it lacks the method 'free'"]

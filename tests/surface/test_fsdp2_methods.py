@@ -757,6 +757,26 @@ def test_fsdp2s_collective_setters_leave_a_units_config_frozen():
     assert policies and all(p == (True, True, 1) for p in policies), policies
 
 
+def _setting_on_a_zero_shard_unit(rank, n):
+    """A zero.shard unit under a zero.fully_shard root, and one of FSDP2's collective settings
+    asked of both (``recurse``): the unit below has no FSDP2 policy to change."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    mesh = init_device_mesh("cpu", (n,))
+    zero.shard(model.blocks[0], stage=3, layout="rows", mesh=mesh)
+    zero.fully_shard(model, mesh=mesh)
+    try:
+        model.set_separate_reduce_scatter_group(True)
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_an_fsdp2_collective_setting_on_a_zero_shard_unit_names_the_fix():
+    said = run_ranks(_setting_on_a_zero_shard_unit, 2)[0]
+    assert "zero.fully_shard" in said and "FlatCollectives" in said, said
+
+
 def test_symmetric_memory_is_refused_on_gloo_naming_what_to_use():
     theirs, ours = run_ranks(_symm_mem, 2)[0]
     assert theirs != "ran" and "NCCL" in theirs  # FSDP2 fails on gloo too

@@ -114,6 +114,8 @@ class MeshInfo:
         size = padded_numel // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
+    replicated = False  # HSDP's replicas: none
+
     def reduce_replicas(self, shard: torch.Tensor, op: str, comm: api.CommPolicy, unit: str,
                         ctx: CommContext) -> None:
         """Average a reduced gradient shard over the replicas: here there are none."""
@@ -125,6 +127,7 @@ class HSDPMeshInfo(MeshInfo):
     reduced gradient shards across the replicas (``replicate_group``)."""
 
     replicate_group: Any = None
+    replicated = True
 
     def reduce_replicas(self, shard: torch.Tensor, op: str, comm: api.CommPolicy, unit: str,
                         ctx: CommContext) -> None:

@@ -110,6 +110,10 @@ class Gradient:
         self._zero_markers: dict = {}  # param index -> the zero .grad a no_sync backward left
         self._seen_grads: list = []  # (param, its .grad, version) when it left them
 
+    def use_config(self, config: UnitConfig) -> None:
+        """The unit's new config (``Unit.use_comm``: another comm policy)."""
+        self.config = config
+
     @property
     def params(self) -> list:
         return [sp.sharded for sp in self.sharded_params]
@@ -210,8 +214,7 @@ class Gradient:
     # On a 1-D mesh there are no replicas: the setting changes nothing, as in FSDP2.
 
     def _skips_replicas(self) -> bool:
-        return not self.controls.requires_all_reduce and getattr(self.mesh, "replicate_group",
-                                                        None) is not None
+        return not self.controls.requires_all_reduce and self.mesh.replicated
 
     def _run_all_reduce_hook(self, hook, stream, shard: torch.Tensor, ctx: CommContext) -> None:
         """FSDP2's all-reduce hook: on the reduced shard (after HSDP's all-reduce, before the

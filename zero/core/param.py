@@ -31,6 +31,8 @@ from zero import api
 class AsIs:
     """The form of a plain parameter: the module computes with its view into the full buffer."""
 
+    sends = False  # (the unit sends its rows, as every plain parameter's)
+
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
         return view
 
@@ -48,6 +50,8 @@ class Strided:
     round) by strides, so this is what keeps such a model bit for bit DDP's. The copy is made
     with the iteration's views and lives as long as they do (one parameter's bytes, kept
     through stage 3's reshard: the values backward reads are the ones forward read)."""
+
+    sends = False
 
     def __init__(self, stride: tuple[int, ...]):
         self.stride = stride

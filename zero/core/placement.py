@@ -59,6 +59,8 @@ class Placement:
             global shape), or None for a plain tensor.
     """
 
+    sends = False  # (its local rows go as any parameter's)
+
     def __init__(self, local_shape, world_size: int, dim: int = 0, spec=None):
         self.local_shape, self.world_size = torch.Size(local_shape), world_size
         self.dim, self.spec = dim, spec

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from zero.api import Comm, Layout, Piece, ShardInfo, Work
+from zero.api import Comm, Layout, Piece, SendingForm, ShardInfo, Work
 from zero.comm.context import finish
 from zero.core.flat import LocalShard
 from zero.core.placement import Placement
@@ -171,8 +171,9 @@ class CopiedOut:
         del self.wire  # (the gathered buffer goes, once copied out)
 
 
-def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor, forms: dict,
-                   mesh: DeviceMesh, *, group, unit: str, phase: str, ctx: Comm) -> Work:
+def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor,
+                   forms: dict[int, SendingForm], mesh: DeviceMesh, *, group, unit: str,
+                   phase: str, ctx: Comm) -> Work:
     """A unit's all-gather when some parameters' forms decide what they send (``forms``: index
     -> ``SendingForm``, FSDP2's all-gather extension): one collective of this rank's plain
     rows, in ``full``'s dtype, and each such form's inputs, as bytes when their dtypes differ
@@ -180,7 +181,7 @@ def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor, 
     plain rows, and each form's outputs filled (``mesh``: the forms' data-parallel mesh; of a
     2-D HSDP one, the shard dim)."""
     n = layout.world_size
-    if mesh.ndim == 2:  # (HSDP's (replicate, shard): the shard dim, named by zero.shard)
+    if mesh.ndim == 2:  # (HSDP's (replicate, shard): the shard dim, by the mesh's own names)
         mesh = mesh[cast(tuple, mesh.mesh_dim_names)[-1]]
     wire = full.view(n, layout.shard_numel)
     sends: list[torch.Tensor] = []  # this rank's pieces, in order

@@ -45,7 +45,7 @@ is ``zero/core/hooks.py`` (the life of a unit in one iteration) and ``zero/core/
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, cast
+from typing import Callable, NamedTuple, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -55,7 +55,7 @@ from zero import api
 from zero.comm.context import finish, label
 from zero.comm.flat_collectives import DEFAULT as EXACT
 from zero.core import adoption, guards, registry
-from zero.core.config import HSDPMeshInfo, MeshInfo, UnitConfig
+from zero.core.config import MeshInfo, UnitConfig
 from zero.core.flat import LocalShard
 from zero.core.same_model import describe
 from zero.core.grads import Gradient
@@ -91,7 +91,8 @@ class Unit:
     """
 
     def __init__(self, modules, params, locations, config: UnitConfig, mesh: MeshInfo,
-                 controls: Controls, root, forms=None):
+                 controls: Controls, root,
+                 forms: Sequence[Callable[[ShardedParam], api.ParamForm] | None] = ()):
         self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
         self.config, self.mesh, self.controls = config, mesh, controls
@@ -132,12 +133,12 @@ class Unit:
                          getattr(self.local.pieces.get(i), "param_offset", 0),
                          None if p.is_contiguous() else p.stride())
             for i, p in enumerate(params)]
-        for sp, make in zip(self.sharded_params, forms or ()):
+        for sp, make in zip(self.sharded_params, forms):
             if make is not None:
                 sp.form = make(sp)
         # forms that decide what their parameter sends (FSDP2's all-gather extension)
-        self._sending = {sp.index: sp.form for sp in self.sharded_params
-                         if hasattr(sp.form, "inputs")}
+        self._sending = {sp.index: cast(api.SendingForm, sp.form)
+                         for sp in self.sharded_params if sp.form.sends}
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
         self.grads = Gradient(self.unsharded, self.sharded_params, self.local, self.sharded,
                               config, mesh, self.name, controls)
@@ -245,7 +246,7 @@ class Unit:
     @property
     def replicated(self) -> bool:
         """HSDP: the reduced gradient shard is averaged over replicas of the sharded model."""
-        return isinstance(self.mesh, HSDPMeshInfo)
+        return self.mesh.replicated
 
     @property
     def stage(self) -> int:
@@ -268,12 +269,12 @@ class Unit:
         self.controls.reshard_after_forward = reshard
         return True
 
-    def use_comm(self, change) -> None:
+    def use_comm(self, change: Callable[[api.CommPolicy], api.CommPolicy]) -> None:
         """Collectives of another comm policy from now on: ``change(policy)`` makes it from
         the present one (FSDP2's ``set_custom_all_gather`` and relatives). The config stays
         frozen: the unit and its gradient take a new one."""
         self.config = dataclasses.replace(self.config, comm=change(self.config.comm))
-        self.grads.config = self.config
+        self.grads.use_config(self.config)
 
     def rename(self, name: str) -> None:
         self.name = self.grads.name = name

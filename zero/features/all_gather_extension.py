@@ -29,8 +29,8 @@ sends its shard (in the compute dtype) and computes with what arrived. zero hono
   own are freed (storage resized to 0), as FSDP2 frees them.
 
 Layout "rows" only (the sharded parameter is a DTensor whose local tensor is the subclass,
-FSDP2's); not with tensor parallel, CPU offload or another comm policy for the weights
-(``check`` refuses each by name).
+FSDP2's); not with tensor parallel, CPU offload, hpZ (a smaller group after forward) or
+another comm policy for the weights (``check`` refuses each by name).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def has_extension(t: torch.Tensor) -> bool:
 
 
 def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
-          offload: api.OffloadPolicy) -> None:
+          offload: api.OffloadPolicy, secondary_group=None) -> None:
     """Raise, naming the parameter and what to do, if a parameter with the extension cannot
     be served here."""
     for name, p in names:
@@ -87,6 +87,12 @@ def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
         if comm_policy is not None and getattr(comm_policy, "all_gather_comm", False) is not None:
             raise ValueError(f"{what}: its all-gather is the subclass's to decide, so a "
                              f"comm_policy ({type(comm_policy).__name__}) cannot gather it too")
+        if secondary_group is not None:
+            raise ValueError(f"{what}: backward would gather it from the smaller group kept "
+                             "after forward (hpZ, fully_shard(reshard_after_forward=<int>)), "
+                             "which holds what was computed with, not what the subclass sends "
+                             "(FSDP2 refuses it too); reshard to the whole group for this model "
+                             "(reshard_after_forward=True), or leave secondary_group unset")
         if not offload.on_device:
             raise ValueError(f"{what}: the all-gather extension is not served with an offload "
                              "policy here (FSDP2 copies the subclass to the device first); "
@@ -131,6 +137,8 @@ class SubclassForm:
     ``_unsharded_param``), made from its ``ShardedParam`` and ``orig``, the subclass; a
     5-argument ``fsdp_pre_all_gather`` gets the module holding it and the unit's
     ``mp_policy`` (torch's ``MixedPrecisionPolicy``)."""
+
+    sends = True  # its inputs go in the unit's all-gather, not its rows
 
     def __init__(self, sp, orig, mp_policy):
         self.sp, self.module, self.mp_policy = sp, sp.locations[0][0], mp_policy

@@ -48,9 +48,9 @@ _OWN = FlatCollectives()
 
 @dataclass(frozen=True, eq=False, repr=False)
 class CustomCollectives:
-    """zero's ``CommPolicy`` around FSDP2's ``AllGather`` / ``ReduceScatter`` objects. Frozen,
-    as every policy a unit's config holds: FSDP2's setters give the unit a changed copy
-    (``dataclasses.replace``, through ``Unit.use_comm``).
+    """zero's ``CommPolicy`` around FSDP2's ``AllGather`` / ``ReduceScatter`` objects. Frozen:
+    FSDP2's setters give the unit a changed copy (``dataclasses.replace``, through
+    ``Unit.use_comm``), and the unit's config, frozen too, is replaced with it.
 
     Args:
         all_gather_comm, reduce_scatter_comm: FSDP2's objects, or None for zero's own.

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from zero import api
 from zero.core import registry
-from zero.features.all_gather_extension import SubclassForm
 from zero.features.custom_collectives import CustomCollectives
 from zero.surface import controls, meta_init
 from zero.surface.fsdp2_state import FSDPStateView
@@ -163,39 +163,52 @@ class ZeroFSDPModule(FSDPModule):
 
     # ---- the collectives ------------------------------------------------------------------
 
-    def _change_collectives(self, change, recurse: bool = False) -> None:
+    def _change_collectives(self, what: str, change: Callable[..., CustomCollectives],
+                            recurse: bool = False, gathers: bool = False) -> None:
         """Give this module's units (and those below, with ``recurse``) the comm policy
         ``change(policy, unit)`` makes from the ``CustomCollectives`` ``fully_shard`` gave
-        them. Policies are frozen: each unit takes a changed copy (``Unit.use_comm``)."""
-        for unit in self._units(recurse):
-            unit.use_comm(partial(change, unit=unit))
+        them. Policies are frozen: each unit takes a changed copy (``Unit.use_comm``).
+        ``gathers``: the change is about the all-gather, which a unit whose parameters send
+        what their tensor subclass returns (``SubclassForm``) does not issue through it."""
+        units = self._units(recurse)
+        if gathers and any(sp.form.sends for u in units for sp in u.sharded_params):
+            raise NotImplementedError(
+                f"{what} on a module whose parameters use FSDP2's all-gather extension "
+                "(fsdp_pre_all_gather): zero gathers what the subclass returns itself and does "
+                "not pass it through a comm object; use one or the other, or FSDP2's "
+                "fully_shard for both")
+
+        def changed(policy: api.CommPolicy, unit) -> CustomCollectives:
+            if not isinstance(policy, CustomCollectives):
+                raise TypeError(
+                    f"{what} on unit {unit.name}, sharded by zero.shard with the comm policy "
+                    f"{type(policy).__name__}: FSDP2's collective settings are for the units "
+                    "zero.fully_shard makes; shard this module with zero.fully_shard, or give "
+                    "zero.shard a comm_policy that does what you need")
+            return change(policy, unit)
+        for unit in units:
+            unit.use_comm(partial(changed, unit=unit))
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's ``AllGather`` object (``allocate`` and ``__call__``) gathers this module's
         parameters, through zero's comm seam (``zero/features/custom_collectives.py``)."""
-        if any(isinstance(sp.form, SubclassForm) for u in self._units()
-               for sp in u.sharded_params):
-            raise NotImplementedError(
-                "set_custom_all_gather on a module whose parameters use FSDP2's all-gather "
-                "extension (fsdp_pre_all_gather): zero gathers what the subclass returns itself "
-                "and does not pass it to a custom AllGather; use one or the other, or FSDP2's "
-                "fully_shard for both")
-        self._change_collectives(lambda policy, unit: replace(policy, all_gather_comm=comm))
+        self._change_collectives("set_custom_all_gather", lambda policy, unit: replace(
+            policy, all_gather_comm=comm), gathers=True)
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """FSDP2's ``ReduceScatter`` object reduces this module's gradients."""
-        self._change_collectives(lambda policy, unit: replace(policy, reduce_scatter_comm=comm))
+        self._change_collectives("set_custom_reduce_scatter", lambda policy, unit: replace(
+            policy, reduce_scatter_comm=comm))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """The collectives' buffers from the process group's own allocator (NCCL's, for
         zero-copy transfers); gloo has none, and there, as in FSDP2, ``torch.empty``."""
+        what = "set_allocate_memory_from_process_group_for_comm"
+
         def change(policy: CustomCollectives, unit) -> CustomCollectives:
-            if policy.all_gather_comm is not None or policy.reduce_scatter_comm is not None:
-                raise ValueError("set_allocate_memory_from_process_group_for_comm with a "
-                                 "custom all-gather or reduce-scatter: that object allocates "
-                                 "its buffers itself (its allocate()); choose one of the two")
+            _refuse_custom_objects(what, policy)
             return replace(policy, from_group=enable)
-        self._change_collectives(change)
+        self._change_collectives(what, change, gathers=True)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """The all-gather's buffers in NCCL's symmetric memory, through torch's own objects
@@ -204,6 +217,8 @@ class ZeroFSDPModule(FSDPModule):
             SymmMemAllGather, SymmMemReduceScatter)
 
         def change(policy: CustomCollectives, unit) -> CustomCollectives:
+            _refuse_custom_objects("set_symm_mem_for_comm", policy,
+                                   (SymmMemAllGather, SymmMemReduceScatter))
             group = cast(dist.ProcessGroup, unit.group or dist.group.WORLD)
             if dist.get_backend(group) != "nccl":
                 raise ValueError(
@@ -214,7 +229,7 @@ class ZeroFSDPModule(FSDPModule):
             return replace(policy, all_gather_comm=SymmMemAllGather(group, backend),
                            reduce_scatter_comm=SymmMemReduceScatter(group, backend)
                            if unit.controls.force_sum else policy.reduce_scatter_comm)
-        self._change_collectives(change)
+        self._change_collectives("set_symm_mem_for_comm", change, gathers=True)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
@@ -233,7 +248,7 @@ class ZeroFSDPModule(FSDPModule):
                     list(ranks), use_local_synchronization=True)
             groups[group] = made[ranks]
             return replace(policy, reduce_scatter_groups=groups)
-        self._change_collectives(change, recurse)
+        self._change_collectives("set_separate_reduce_scatter_group", change, recurse)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
@@ -274,6 +289,17 @@ class ZeroFSDPModule(FSDPModule):
         raise TypeError(
             "copy.deepcopy of a model sharded by zero is not supported: its parameters are "
             "views into shards that a copy would not share. Copy the model before sharding it")
+
+
+def _refuse_custom_objects(what: str, policy: CustomCollectives, ours: tuple = ()) -> None:
+    """FSDP2's buffer settings do not combine with its custom objects, which allocate their
+    buffers themselves (its docstrings say so; zero refuses rather than overrule one).
+    ``ours``: the setting's own objects (a second call replaces them)."""
+    if any(c is not None and not isinstance(c, ours)
+           for c in (policy.all_gather_comm, policy.reduce_scatter_comm)):
+        raise ValueError(f"{what} with a custom all-gather or reduce-scatter "
+                         "(set_custom_all_gather / set_custom_reduce_scatter): that object "
+                         "allocates its buffers itself (its allocate()); choose one of the two")
 
 
 def _not_implemented(name: str):

@@ -201,7 +201,8 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
         if _composed(params, o):  # (tensor parallel, Shard(d), the all-gather extension)
             placement.check(layout, named(modules, params), ctx.world_size(group),
                             o.mesh, o.shard_placement_fn)
-            all_gather_extension.check(named(modules, params), layout, o.comm_policy, offload)
+            all_gather_extension.check(named(modules, params), layout, o.comm_policy, offload,
+                                       o.secondary_group)
         if any(child.layout.name != layout.name for child in children):
             raise ValueError(f"the units below {type(modules[0]).__name__} use layout "
                              f"{children[0].layout.name!r}, this call {layout.name!r}: use one "
@@ -299,7 +300,7 @@ def _make_units(modules, params, locations, stage, mp_policy, layout, offload, d
     for k, g in enumerate(groups):
         mine = [params[i] for i in g]
         master_dtype = mine[0].dtype if g else torch.float32
-        placed, laid, forms = layout, mine, None
+        placed, laid, forms = layout, mine, []
         if composed:  # a layout placing tensor-parallel and Shard(d) parameters, and what it
             placed, laid, placements = placement.lay_out(  # lays out
                 layout, mine, mesh_info.world_size, o.shard_placement_fn)
