@@ -1,67 +1,58 @@
 """zero: ZeRO stages 1, 2 and 3, written from scratch on torch.distributed collectives.
 
 New to ZeRO? Read ``minimal.py`` first: the whole idea in one file. Then the package, one folder a
-role, read bottom-up: a file imports only from its own folder and the ones listed before it
-(``benchmarks/shape.py`` counts the exceptions: none). Every file is named here
-(``tests/test_maps.py`` holds this list, notes/15's and the README's to the tree).
+role, read bottom-up: a file imports only from its own folder and those before it. Every file is
+named here (``tests/test_maps.py`` holds this list to the tree).
 
 - ``api.py`` every seam, as a protocol: ``Layout``, ``CommPolicy``, ``OffloadPolicy``,
   ``Schedule``, ``Backend``, ``ParamForm`` (notes/15 says which idea goes through which); it
   imports nothing of zero;
 - ``comm/`` the collectives: ``backend.py`` (the one place torch.distributed is called:
-  ``TorchBackend``), ``context.py`` (a root's ``CommContext``), ``ledger.py`` (every
-  collective recorded), ``waits.py`` (every wait bounded), ``agree.py`` (ranks that diverge
-  raise), ``collectives.py`` (the same collectives as functions), ``objects.py`` (Python
-  objects between ranks), ``flat_collectives.py`` (how a unit's flat buffers cross the ranks);
+  ``TorchBackend``), ``context.py`` (a root's ``CommContext``), ``ledger.py`` (every collective
+  recorded), ``waits.py`` (every wait bounded), ``agree.py`` (ranks that diverge raise),
+  ``collectives.py`` (the same collectives as functions), ``objects.py`` (Python objects between
+  ranks), ``flat_collectives.py`` (how a unit's flat buffers cross the ranks);
 - ``core/`` the mechanism: ``state.py`` (a unit's states, its iteration, its controls),
-  ``flat.py``, ``rows.py`` and ``whole.py`` (the three layouts), ``stage.py`` (the policy
-  table and every rule derived from it), ``config.py`` (a unit's frozen policies and its
-  mesh: HSDP, hpZ), ``tree.py`` (the tensors in structured inputs and outputs),
-  ``placement.py`` (a parameter's placement: tensor parallel, ``Shard(dim)``), ``param.py``
-  (one original parameter), ``grads.py`` (a unit's gradient), ``unit.py`` (the parameter
-  group: unshard / reshard; ``held()``), ``registry.py`` (who owns what), ``schedule.py``
-  (prefetch), ``reductions.py`` (the order of reduce-scatters), ``guards.py``,
-  ``saved_tensors.py`` and ``adoption.py`` (what stands between a user and a silent wrong
-  result: misuse, freed parameters, parameters replaced after sharding), ``same_model.py``
-  (the ranks agree on the model), ``running_stats.py`` (BatchNorm's statistics drifting
-  apart), ``optimizers.py`` (which of torch's optimizers step pieces), ``root.py`` (what the
-  root does for all units), ``hooks.py`` (the life of a unit in one iteration);
+  ``flat.py``, ``rows.py`` and ``whole.py`` (the three layouts), ``stage.py`` (the policy table and
+  every rule derived from it), ``config.py`` (a unit's frozen policies and its mesh: HSDP, hpZ),
+  ``tree.py`` (the tensors in structured inputs and outputs), ``placement.py`` (a parameter's
+  placement: tensor parallel, ``Shard(dim)``), ``param.py`` (one original parameter), ``grads.py``
+  (a unit's gradient), ``unit.py`` (the parameter group: unshard / reshard; ``held()``),
+  ``registry.py`` (who owns what), ``schedule.py`` (prefetch), ``reductions.py`` (the order of
+  reduce-scatters), ``guards.py``, ``saved_tensors.py`` and ``adoption.py`` (what stands between a
+  user and a silent wrong result: misuse, freed parameters, parameters replaced after sharding),
+  ``same_model.py`` (the ranks agree on the model), ``running_stats.py`` (BatchNorm's statistics
+  drifting apart), ``optimizers.py`` (which of torch's optimizers step pieces), ``root.py`` (what
+  the root does for all units), ``hooks.py`` (the life of a unit in one iteration);
 - ``checkpoint/`` sharded checkpoints on DCP in FSDP2's layout: ``dcp.py`` (save) and
   ``loading.py`` (load), ``directory.py`` (the versions, the atomic flip of ``latest``),
   ``fsdp2_layout.py`` (FSDP2's per-parameter chunks), read as data only (``reader.py``,
   ``validate.py``, ``safe_pickle.py``); it asks the offload policies for the optimizer state
   (``resident``) and imports no feature;
-- ``features/`` each one object behind a seam: ``offload.py`` (``OnDevice``,
-  ``CPUOffload``), ``disk_offload.py``, ``disk_store.py`` and ``disk_files.py`` (the
-  optimizer state in files: the policy, the store, the checked files),
-  ``quantized.py`` and ``quantized_gradients.py`` (ZeRO++'s qwZ and qgZ),
-  ``logging_backend.py``, ``all_gather_extension.py`` (FSDP2's ``fsdp_pre_all_gather``: a
-  subclass decides what is sent), ``custom_collectives.py`` (FSDP2's custom ``AllGather`` /
-  ``ReduceScatter`` objects), ``wrap.py`` (FSDP1's auto-wrap policies and strategies);
-- ``surface/`` what a user calls: ``shard.py`` (the entry point), ``options.py`` (its
-  arguments in one object), ``claim.py`` (which parameters a call takes), ``fsdp2.py``,
-  ``fsdp2_module.py`` and ``fsdp2_state.py`` (``fully_shard``: FSDP2's signature, its
-  ``FSDPModule`` methods, what torch's functions read of its state), ``policies.py``
-  (``MixedPrecision``, the layouts by name), ``controls.py`` (FSDP2's control surface),
-  ``clip.py``, ``full_state.py`` (full state dicts), ``meta_init.py``, ``grad_scaler.py``,
-  and ``attach.py`` (zero's hooks on the optimizers and modules it serves);
-- ``__main__.py`` the command line (``python -m zero export``).
-"""
+- ``features/`` each one object behind a seam: ``offload.py`` (``OnDevice``, ``CPUOffload``),
+  ``disk_offload.py``, ``disk_store.py`` and ``disk_files.py`` (the optimizer state in files: the
+  policy, the store, the checked files), ``quantized.py`` and ``quantized_gradients.py`` (ZeRO++'s
+  qwZ and qgZ), ``logging_backend.py``, ``all_gather_extension.py`` (FSDP2's
+  ``fsdp_pre_all_gather``: a subclass decides what is sent), ``custom_collectives.py`` (FSDP2's
+  custom ``AllGather`` / ``ReduceScatter`` objects), ``wrap.py`` (FSDP1's auto-wrap policies and
+  strategies);
+- ``surface/`` what a user calls: ``shard.py`` (the entry point), ``options.py`` (its arguments in
+  one object), ``claim.py`` (which parameters a call takes), ``fsdp2.py``, ``fsdp2_module.py`` and
+  ``fsdp2_state.py`` (``fully_shard``: FSDP2's signature, its ``FSDPModule`` methods, what torch's
+  functions read of its state), ``policies.py`` (``MixedPrecision``, the layouts by name),
+  ``controls.py`` (FSDP2's control surface), ``clip.py``, ``full_state.py`` (full state dicts),
+  ``meta_init.py``, ``grad_scaler.py``, and ``attach.py`` (zero's hooks on the optimizers and
+  modules it serves);
+- ``__main__.py`` the command line (``python -m zero export``)."""
 
 from zero.checkpoint import load, save
 from zero.surface.clip import clip_grad_norm_
 from zero.comm import CollectiveTimeout, Disagreement, Ledger
 from zero.features.quantized import QuantizedWeights
 from zero.features.quantized_gradients import QuantizedGradients
-from zero.surface.controls import (
-    reshard,
-    set_modules_to_backward_prefetch,
-    set_modules_to_forward_prefetch,
-    set_requires_gradient_sync,
-    set_reshard_after_backward,
-    set_reshard_after_forward,
-    unshard,
-)
+from zero.surface.controls import (reshard, set_modules_to_backward_prefetch,
+                                   set_modules_to_forward_prefetch, set_requires_gradient_sync,
+                                   set_reshard_after_backward, set_reshard_after_forward, unshard)
 from zero.features.disk_offload import DiskOffload
 from zero.surface.fsdp2 import fully_shard
 from zero.surface.grad_scaler import ShardedGradScaler
@@ -73,33 +64,10 @@ from zero.surface.shard import no_sync, piece_of, shard, unit_of, units_of, unit
 from zero.surface.full_state import full_state_dict, load_full_state_dict
 
 __all__ = [
-    "CPUOffload",
-    "CollectiveTimeout",
-    "Disagreement",
-    "DiskOffload",
-    "Ledger",
-    "MixedPrecision",
-    "QuantizedGradients",
-    "QuantizedWeights",
-    "ShardedGradScaler",
-    "clip_grad_norm_",
-    "full_state_dict",
-    "fully_shard",
-    "init_parameters",
-    "load",
-    "load_full_state_dict",
-    "no_sync",
-    "piece_of",
-    "reshard",
-    "save",
-    "set_modules_to_backward_prefetch",
-    "set_modules_to_forward_prefetch",
-    "set_requires_gradient_sync",
-    "set_reshard_after_backward",
-    "set_reshard_after_forward",
-    "shard",
-    "unit_of",
-    "units_of",
-    "units_on",
-    "unshard",
+    "CPUOffload", "CollectiveTimeout", "Disagreement", "DiskOffload", "Ledger", "MixedPrecision",
+    "QuantizedGradients", "QuantizedWeights", "ShardedGradScaler", "clip_grad_norm_",
+    "full_state_dict", "fully_shard", "init_parameters", "load", "load_full_state_dict", "no_sync",
+    "piece_of", "reshard", "save", "set_modules_to_backward_prefetch",
+    "set_modules_to_forward_prefetch", "set_requires_gradient_sync", "set_reshard_after_backward",
+    "set_reshard_after_forward", "shard", "unit_of", "units_of", "units_on", "unshard"
 ]

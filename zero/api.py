@@ -1,43 +1,15 @@
 """Every seam of the mechanism, written down: exactly what the mechanism calls, and how.
 
-FSDP2 keeps its policies and interfaces side by side in one file (``_fsdp_api.py``); these
-are ours. Each is a ``typing.Protocol`` listing the members the mechanism uses, with the
-signatures it calls them with: a layout, a comm policy, an offload policy, a schedule or a
-backend is any object with these members, whatever its class. ``zero.shard`` checks the
-objects it is given against them by signature (``check``) and names what differs, so a new
-idea is one new object, written from this file alone, not a branch inside the core
-(``tests/core/test_seam_toys.py`` writes one of each that way). notes/15-where-ideas-go.md
-says which seam each kind of idea goes through.
-
-Where each is used:
-
-============  ==========================================  ====================================
-protocol      zero's own                                  called from
-============  ==========================================  ====================================
-Layout        ``FlatLayout``, ``RowsLayout``,             ``zero/core/unit.py``, ``grads.py``,
-              ``WholeLayout`` (``zero/core/``)            ``hooks.py``; checkpoints; state dicts
-CommPolicy    ``FlatCollectives`` (``zero/comm/``),       ``zero/core/unit.py`` (gather),
-              ``QuantizedWeights``, ``QuantizedGradients``  ``grads.py`` (reduce), ``config.py``
-              ``CustomCollectives`` (``zero/features/``)  (HSDP's all-reduce)
-OffloadPolicy ``OnDevice``, ``CPUOffload``, ``DiskOffload``  ``zero/core/unit.py``, ``grads.py``;
-              (``zero/features/``)                        the step hooks; checkpoints
-Schedule      ``Schedule`` (``zero/core/schedule.py``)    ``zero/core/root.py``;
-                                                          ``zerolab/memory.py``
-Backend       ``TorchBackend`` (``zero/comm/backend.py``),  ``zero/comm/context.py`` only
-              ``LoggingBackend`` (``zero/features/``)
-ParamForm     ``AsIs`` (``zero/core/param.py``),          ``zero/core/param.py``
-              ``Placement`` (``zero/core/placement.py``),  (``ShardedParam.unsharded``,
-              ``SubclassForm`` (``zero/features/``)       ``free_unsharded``); a
-                                                          ``SendingForm``: ``rows.py``
-============  ==========================================  ====================================
-
-``ParamForm`` is the one seam inside the mechanism: a parameter's own form is set by the
-mechanism (tensor parallel, a tensor subclass's all-gather), not given to ``zero.shard``, so
-``check`` is not asked about it. Two more protocols describe what a seam is handed: ``Comm``,
-the root's comm context (a comm policy issues its collectives through it: recorded in the
-ledger, waits bounded, through the root's backend), and ``UnitView``, what a schedule sees of
-a unit. Each of zero's own objects is checked against its protocol by mypy
-(``tests/test_types.py``), as well as by signature at run time.
+FSDP2 keeps its policies and interfaces side by side in ``_fsdp_api.py``; these are ours. Each
+is a ``typing.Protocol`` listing the members the mechanism uses, with the signatures it calls
+them with: a layout, comm policy, offload policy, schedule or backend is any object with these
+members. ``zero.shard`` checks what it is given against them (``check``) and names what
+differs, so a new idea is one new object written from this file alone
+(``tests/core/test_seam_toys.py`` writes one of each). notes/15-where-ideas-go.md, section
+"The seams", says which idea goes through which seam, zero's own objects for each and where
+the mechanism calls them. ``ParamForm`` is set by the mechanism per parameter, not given to
+``zero.shard``; ``Comm`` and ``UnitView`` are what a seam is handed. mypy holds zero's own
+objects to their protocols (``tests/test_types.py``).
 """
 
 from __future__ import annotations
@@ -84,11 +56,9 @@ class Work(Protocol):
 
 class Comm(Protocol):
     """The root's comm context (``zero/comm/context.py``), as a policy sees it: each
-    collective is recorded in the ledger, agreed in check mode, bounded in its wait, and sent
-    through the root's backend. ``unit`` and ``phase`` name it in the ledger. With
-    ``async_op`` a handle is returned; without, the collective has ended on return. The
-    backend answers what the context does not ask itself: a group rank's global rank
-    (``ctx.backend.global_rank(group, r)``, qgZ's check of its mesh), the world's group."""
+    collective is recorded (``unit``, ``phase`` name it in the ledger), agreed in check mode,
+    bounded in its wait and sent through the root's backend. With ``async_op`` a handle is
+    returned; without, the collective has ended on return."""
 
     @property
     def backend(self) -> Backend: ...  # its questions: ``global_rank``, ``world()``...
@@ -111,12 +81,10 @@ class Comm(Protocol):
 
 
 class ParamForm(Protocol):
-    """What the module computes with for one parameter (``ShardedParam.form``), made of the
-    parameter's view into the unit's full buffer: the view itself (``AsIs``), a DTensor on
-    its tensor-parallel mesh (``Placement``), what its tensor subclass builds from the
-    all-gather (``SubclassForm``), or a copy in its own strides for a parameter that is not
-    contiguous (``Strided``). FSDP2 decides the same once per parameter
-    (``FSDPParam.init_unsharded_param``)."""
+    """What the module computes with for one parameter (``ShardedParam.form``), made of its
+    view into the unit's full buffer: the view (``AsIs``), a DTensor on its tensor-parallel
+    mesh (``Placement``), what its tensor subclass builds (``SubclassForm``), or a copy in its
+    own strides (``Strided``); FSDP2's ``FSDPParam.init_unsharded_param``."""
 
     @property
     def sends(self) -> bool:
@@ -127,9 +95,8 @@ class ParamForm(Protocol):
 
 
 class SendingForm(ParamForm, Protocol):
-    """A form that decides what its parameter sends in the unit's all-gather (FSDP2's
-    all-gather extension, ``SubclassForm``), layout "rows" only: its inputs go into the one
-    all-gather beside the other parameters' rows (``zero/core/rows.py``'s ``gather_sending``),
+    """A form that decides what its parameter sends (FSDP2's all-gather extension), layout
+    "rows" only: its inputs join the unit's one all-gather (``rows.py``'s ``gather_sending``),
     and what arrived goes into outputs it owns."""
 
     def inputs(self, mesh: DeviceMesh, padded_rows: int) -> list[torch.Tensor]: ...  # 1-D
@@ -138,9 +105,9 @@ class SendingForm(ParamForm, Protocol):
 
 
 class UnitView(Protocol):
-    """What a schedule or an offload policy sees of a unit: its name (its module path after
-    the first forward), its modules, and its sharded parameters (what the optimizer steps).
-    Each is read, never set: an attribute or a property will do."""
+    """What a schedule or an offload policy sees of a unit, read only (an attribute or a
+    property will do): its name (its module path after the first forward), its modules, its
+    sharded parameters (what the optimizer steps)."""
 
     @property
     def name(self) -> str: ...
@@ -189,8 +156,7 @@ class Layout(Protocol):
 class CommPolicy(Protocol):
     """How a unit's flat buffers cross the ranks (``zero/comm/flat_collectives.py``). Each
     method starts its collective through ``ctx`` and returns a handle whose ``wait()`` leaves
-    the output filled (or None: the output is filled already, as after a blocking call); it
-    may send other dtypes and shapes (ZeRO++'s quantized ones do)."""
+    the output filled (or None: filled already); it may send other dtypes and shapes."""
 
     @property
     def in_place_ok(self) -> bool:
@@ -228,10 +194,8 @@ class OffloadPolicy(Protocol):
 
 @runtime_checkable
 class Schedule(Protocol):
-    """Which units to start gathering ahead of need (prefetch): while ``unit`` computes its
-    forward, the units ``forward_prefetch`` returns; while it computes its backward, those
-    ``backward_prefetch`` returns. One per root (``zero/core/schedule.py``); the mechanism
-    gathers what it is told (a unit that keeps its parameters needs none)."""
+    """Which units to start gathering (prefetch) while ``unit`` computes its forward, or its
+    backward. One per root (``zero/core/schedule.py``); the mechanism gathers what it is told."""
 
     def forward_prefetch(self, unit: UnitView, order: Order) -> Sequence[UnitView]: ...
     def backward_prefetch(self, unit: UnitView, order: Order) -> Sequence[UnitView]: ...
@@ -239,11 +203,10 @@ class Schedule(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """The collectives themselves (``zero/comm/backend.py``): ``torch.distributed``'s, with
-    the group explicit. Every collective and every question about a group goes through one
-    ``Backend`` object, the root's (``zero/comm/context.py``). Optional, asked only if there:
-    ``host_group(group)``, a group of the same ranks for the host's metadata where ``group``
-    moves only device memory (``TorchBackend``'s; without it, that metadata stays on ``group``)."""
+    """The collectives themselves (``zero/comm/backend.py``), the group explicit; the root's
+    (``zero/comm/context.py``) carries every collective and question about a group. Optional:
+    ``host_group(group)``, the same ranks for host metadata where ``group`` moves only device
+    memory (``TorchBackend``'s; without it, that metadata stays on ``group``)."""
 
     def rank(self, group=None) -> int: ...
     def world_size(self, group=None) -> int: ...
@@ -263,8 +226,7 @@ class Backend(Protocol):
 
 
 def _members(protocol) -> tuple[list[str], list[str]]:
-    """The attributes and methods ``protocol`` lists, with those of the protocols it extends
-    (``SendingForm`` is a ``ParamForm`` too); typing's own ``__init__`` is not one of them."""
+    """The attributes and methods ``protocol`` lists, its bases' included (not typing's)."""
     attributes: list[str] = []
     methods: list[str] = []
     for cls in protocol.__mro__:
@@ -308,10 +270,9 @@ def _accepts(have: inspect.Signature, want: inspect.Signature) -> str | None:
 
 
 def mismatches(obj, protocol, probe=None) -> list[str]:
-    """How ``obj`` differs from ``protocol``: members it lacks (looked for on ``probe``, an
+    """How ``obj`` differs from ``protocol``, in words: members it lacks (on ``probe``, an
     instance of the class ``obj``, if given), and methods the mechanism could not call as the
-    protocol says it does (by ``inspect.signature``: the arguments without a default are
-    passed by position, the others by keyword), in words."""
+    protocol says (arguments without a default go by position, the others by keyword)."""
     attributes, methods = _members(protocol)
     holder = obj if probe is None else probe
     out = [f"it lacks {n!r}" for n in attributes if not hasattr(holder, n)]

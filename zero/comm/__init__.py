@@ -1,19 +1,9 @@
 """The collectives layer: the only part of zero that talks to other ranks.
 
-Read bottom-up:
-- ``backend``: the one place ``torch.distributed`` is called (the seam for another backend:
-  ``TorchBackend``);
-- ``ledger``: the record of every collective (``zero.Ledger``);
-- ``waits``: every wait bounded by ``ZERO_TIMEOUT``, a named error on expiry;
-- ``objects``: small Python objects between ranks (error reports);
-- ``agree``: ranks about to take different paths raise instead of hanging;
-- ``context``: a ``CommContext`` per root: its backend, its streams, group names, what it
-  issued; every collective of a model is issued by it (all-gather, reduce-scatter,
-  all-reduce, all-to-all, broadcast: each agreed in check mode, recorded and launched);
-- ``collectives``: the same collectives as functions of a context given (``ctx=``), or of a
-  fresh default one for code that belongs to no model;
-- ``flat_collectives``: how a unit's flat buffers cross the ranks (the default comm policy).
-Nothing here knows about units, stages or modules: the mechanism (``zero/core``) calls down.
+Read bottom-up, as ``zero/__init__.py`` lists it: ``backend``, ``ledger``, ``waits``,
+``objects``, ``agree``, ``context`` (a ``CommContext`` per root issues every collective of a
+model), ``collectives``, ``flat_collectives``. Nothing here knows about units, stages or
+modules: the mechanism (``zero/core``) calls down.
 """
 
 from zero.comm.agree import AgreementTimeout, Disagreement, agree, checking, raising_together

@@ -1,15 +1,11 @@
 """Agreement: ranks about to take different paths raise instead of hanging.
 
-[Note: agreement] A collective pairs with whatever collective the other ranks issue next.
-Ranks that took different paths (one skipped a unit, or backward, or ``opt.step()``)
-therefore wait forever, or worse, exchange the wrong unit's data. ``agree(what)`` makes
-every rank state what it is about to do, in one small all-gather, and raises on every rank,
-naming what each was doing, if they differ. zero agrees at the points that decide what
-follows (the start of each forward, shard, clip, the state-dict and checkpoint helpers);
-with ``ZERO_CHECK=1`` in the environment, before every collective as well, so that no
-divergence goes unnoticed (at the price of one more small collective each). An agreement
-that the other ranks never join gives up after ``ZERO_TIMEOUT`` seconds, like every wait
-(``zero/comm/waits.py``), and raises ``error`` with what this rank was waiting for.
+[Note: agreement] A collective pairs with whatever collective the other ranks issue next, so
+ranks that took different paths wait forever, or exchange the wrong unit's data. ``agree(what)``
+makes every rank state what it is about to do, in one small all-gather, and raises on every
+rank, naming what each was doing, if they differ. zero agrees where what follows is decided;
+with ``ZERO_CHECK=1``, before every collective as well. Where, and at what cost:
+notes/13-agreement.md, "Agreeing on what comes next".
 """
 
 from __future__ import annotations
@@ -44,10 +40,9 @@ class AgreementTimeout(Disagreement, waits.CollectiveTimeout):
 def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement,
           ctx) -> None:
     """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
-    if they do not all say the same. ``fix`` ends the message: how to make the ranks agree.
-    ``ctx``: the ``CommContext`` to agree through (it counts the agreements: ranks must count
-    alike). It goes through ``ctx.host(group)``, on the host (``device`` is not used: kept for
-    callers written before)."""
+    if they differ, or if one never joins within ``ZERO_TIMEOUT``. ``fix`` ends the message.
+    ``ctx``: the ``CommContext`` (it counts the agreements; it goes through ``ctx.host``);
+    ``device`` is not used (kept for callers written before)."""
     if ctx.alone(group) or ctx.simulated(group):
         return
     group, device = ctx.host(group)  # (on the host: reading the result syncs no device)
@@ -76,10 +71,8 @@ def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreeme
 
 @contextlib.contextmanager
 def raising_together(group=None, device=None, *, ctx):
-    """Local checks whose failure on one rank must stop every rank: inside, an exception on
-    some rank is announced as an agreement ("raise ..."); the ranks that passed their checks
-    see it at their next ``agree`` and raise too, instead of entering a collective that rank
-    will never join."""
+    """Local checks whose failure on one rank must stop every rank: an exception inside is
+    announced as an agreement ("raise ..."), which the other ranks see at their next ``agree``."""
     try:
         yield
     except Exception as e:

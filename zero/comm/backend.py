@@ -1,14 +1,10 @@
 """The one place that calls ``torch.distributed``: the seam for another backend.
 
-``TorchBackend`` is the ``Backend`` of ``zero/api.py``: every collective zero issues goes
-through one such object (held by the model's ``CommContext``, ``zero/comm/context.py``), so
-another transport (a simulator, another library, one that logs:
-``zero/features/logging_backend.py``) is an object that wraps or replaces it, given to the
-root's ``zero.shard(..., backend=...)``. Each method is the ``torch.distributed`` call of the
-same name, with the group made explicit: the collectives, and the questions about a group
-(its rank, size, backend). The ledger, the agreement and the local shortcuts for a group of
-one rank live above it (``zero/comm/collectives.py``); what makes groups and meshes, which
-moves no data, lives where they are made (notes/15 lists it).
+``TorchBackend`` is ``zero/api.py``'s ``Backend``: each method is the ``torch.distributed``
+call of the same name, the group explicit. Every collective zero issues goes through one, held
+by the root's ``CommContext``; another transport (``zero/features/logging_backend.py``) wraps or
+replaces it, given to ``zero.shard(..., backend=...)``. What makes groups and meshes, which
+moves no data, is not here (notes/15, "What does not go through the backend").
 """
 
 from __future__ import annotations
@@ -36,12 +32,9 @@ def _reduce_scatter_flat(*args, **kwargs):
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
-# [Note: bounded waits] gloo honours ``Work.wait(timeout)`` for its all-gather, all-reduce,
-# all-to-all and broadcast, but not for its reduce-scatter, whose handle has no future and never
-# reports ``is_completed()`` (torch 2.13): that one is waited for on a helper thread. NCCL's
-# ``wait(timeout)`` blocks the CPU until the collective completes (it would stop every overlap
-# of compute and communication): there only the waits whose result the CPU reads anyway are
-# bounded (zero/comm/waits.py).
+# [Note: bounded waits] gloo honours ``Work.wait(timeout)`` but for its reduce-scatter (torch
+# 2.13), waited for on a helper thread. NCCL's ``wait(timeout)`` blocks the CPU until the
+# collective completes: there only the waits whose result the CPU reads anyway are bounded.
 _BOUNDED = ("gloo", "fake")  # backends whose wait(timeout) does not block on the device
 _IGNORED = {("gloo", "reduce_scatter")}  # ... but whose wait ignores the timeout for this op
 
@@ -110,9 +103,8 @@ class TorchBackend:
 
     def host_group(self, group):
         """A group of ``group``'s ranks that moves host memory (``CommContext.host``): ``group``
-        itself where it has a CPU backend too (``init_process_group("cpu:gloo,cuda:nccl")``,
-        torch's default on an accelerator), else a new gloo group, bounded by ``ZERO_TIMEOUT``
-        where it waits for the other ranks to join."""
+        itself where it has a CPU backend too (torch's default on an accelerator), else a new
+        gloo group, bounded by ``ZERO_TIMEOUT``."""
         pg = group if group is not None else dist.group.WORLD
         if _moves_host_memory(pg):
             return group
@@ -122,9 +114,8 @@ class TorchBackend:
                               use_local_synchronization=True)
 
     def bounded_wait(self, group, op: str) -> str:
-        """How a wait on this collective can be bounded (the note above): "timeout" (the
-        handle's own), "thread" (a helper thread waits, the caller waits for it with a bound)
-        or "none" (only a wait whose result the CPU reads at once is bounded)."""
+        """How a wait on it can be bounded (the note above): "timeout" (the handle's own),
+        "thread" (on a helper thread) or "none" (only a wait the CPU reads at once)."""
         kind = self.name(group)
         if kind not in _BOUNDED:
             return "none"

@@ -1,15 +1,9 @@
 """The collectives as functions: ``zero.comm.all_gather(output, input, group=..., ctx=...)``.
 
-Each is the collective of the same name in ``torch.distributed``, issued through a
-``CommContext`` (``zero/comm/context.py``): the model's (``ctx``; a fresh default one when none
-is given, for code that belongs to no model), which notes it in every active ledger
-(``zero/comm/ledger.py``), in check mode first has the ranks agree on it
-(``zero/comm/agree.py``), bounds its wait (``zero/comm/waits.py``) and sends it through its
-backend. Every one takes ``async_op``: with ``True`` it returns a handle whose ``wait()`` must
-be called before the output is read, as with ``torch.distributed``.
-
-A group of one rank has nobody to talk to: there the local equivalent is done (a copy, or
-nothing) and nothing recorded, so world size 1 issues no collective, as FSDP2.
+Each is ``torch.distributed``'s of the same name, issued through a ``CommContext``
+(``zero/comm/context.py``; a fresh default one without ``ctx``): recorded, agreed in check
+mode, its wait bounded. With ``async_op=True`` it returns a handle to ``wait()`` on. A group of
+one rank does the local equivalent and records nothing, as FSDP2.
 """
 
 from __future__ import annotations
@@ -21,10 +15,8 @@ from zero.comm.context import CommContext, context_of
 
 def all_gather(output, input, *, group=None, unit="", phase="other", async_op=False,
                ctx: CommContext | None = None):
-    """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at [r * shard, ...).
-
-    ``input`` may be rank r's slice of ``output`` (an in-place all-gather).
-    """
+    """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at [r * shard, ...);
+    ``input`` may be rank r's slice of ``output`` (in place)."""
     return context_of(ctx).all_gather(output, input, group=group, unit=unit, phase=phase,
                                       async_op=async_op)
 

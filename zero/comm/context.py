@@ -1,31 +1,21 @@
 """What the collectives layer keeps between calls, in one object per root: a ``CommContext``.
 
-A collective needs more than its buffers: the backend that moves them (``zero/comm/backend.py``
-or one that wraps it), a name for its group in the ledger ("intra-node"...), its number among
-the collectives this rank issued on that group (for the message of a wait that expires), the
-last few issued (for the same message), how many agreements the ranks made so far (they must
-count alike), and the device's streams the collectives run beside the computation on. FSDP2
-keeps the like in its ``FSDPCommContext``, one per root, which every parameter group under the
-root points at; so does zero: each ``zero.shard`` call makes one, and the call that shards a
-parent takes its children's units into its own (``zero/core/root.py``), so that what is given
-to the root (a backend) reaches every unit under it. Every collective of a model (and of
-``zero.save``/``zero.load`` on it) and every question about a group (rank, size, alone,
-simulated) goes through its root's context. A call with no model (``ShardedGradScaler``'s)
-gets a fresh one with the default backend (``context_of``).
+Its backend, its groups' names in the ledger, the collectives issued on each group (for the
+message of a wait that expires), the agreements so far (ranks must count alike), and the
+device's streams. FSDP2's ``FSDPCommContext``, one per root: every collective of a model and
+every question about a group goes through its root's (notes/15, "One context per root"); code
+of no model gets a fresh one (``context_of``).
 
-[Note: streams] On an accelerator the collectives run beside the computation, on streams of
-their own that the context owns, as FSDP2's does (``Streams``): the copy into an all-gather's
-buffer (a cast, a host-to-device copy) on ``copy_in``, the all-gather on ``all_gather``, a
-gradient's preparation and reduce-scatter on ``reduce_scatter``, HSDP's all-reduce on
-``all_reduce``. Each side stream first waits for what the computation queued before it, and the
-computation waits for the side stream's event (and for the collective) before it reads the
-result. Memory is never handed between streams with ``record_stream``: whatever a side stream
-or a collective reads stays referenced by the work in flight (``AllGather``, ``Reduction``)
-until the computing stream has waited for it, as FSDP2 keeps its buffers in
-``AllGatherState``/``ReduceScatterState``. On the CPU torch's stand-ins (``torch.cpu.Stream``)
-do nothing and record no event, so the same code runs, and not a bit changes. The side
-streams are made with a high priority (-1), as FSDP2's are, so that a collective's kernels
-start ahead of queued computation.
+[Note: streams] On an accelerator the collectives run beside the computation, on the
+context's own streams, as FSDP2's (``Streams``): an all-gather's copy-in (a cast, a
+host-to-device copy) on ``copy_in``, the all-gather on ``all_gather``, a gradient's preparation
+and reduce-scatter on ``reduce_scatter``, HSDP's all-reduce on ``all_reduce``. Each side stream
+first waits for what the computation queued before it, and the computation waits for the side
+stream's event (and the collective) before it reads the result. Memory is never handed between
+streams with ``record_stream``: whatever a side stream or a collective reads stays referenced
+by the work in flight (``AllGather``, ``Reduction``) until the computing stream has waited for
+it, as FSDP2's ``AllGatherState``/``ReduceScatterState``. On the CPU torch's stand-ins do
+nothing, and not a bit changes. Priority -1, as FSDP2's: collectives ahead of queued compute.
 
 [Note: profiler labels] Each hook, collective and wait runs inside a profiler range named as
 FSDP2 names its own, with zero's prefix for FSDP2's (``zero::all_gather (blocks.0)`` beside
@@ -45,9 +35,8 @@ from zero.comm.backend import TorchBackend
 
 
 class Handle:
-    """A collective in flight: ``wait()`` is bounded (``zero/comm/waits.py``) and notes, in the
-    collective's record, when it returned (on NCCL that is when the current stream was told to
-    wait, not when the bytes arrived)."""
+    """A collective in flight: ``wait()`` is bounded and notes in its record when it returned
+    (on NCCL: when the current stream was told to wait, not when the bytes arrived)."""
 
     def __init__(self, work, op: str, name: str, group, record: ledger.Record | None,
                  ctx):
@@ -69,8 +58,8 @@ class Done:
 
 def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_op: bool,
            ctx: "CommContext", launch):
-    """Agree (check mode), record, launch (always asynchronously, so that even a blocking
-    call's wait is bounded); the handle, or its wait's result for a blocking call."""
+    """Agree (check mode), record, launch (always async, so even a blocking call's wait is
+    bounded); the handle, or its wait's result for a blocking call."""
     what = f"{op} {unit or '(no unit)'} in {phase} ({buffer.numel()} x {buffer.dtype})"
     if checking():
         agree(what, group=group, device=buffer.device, ctx=ctx,
@@ -143,8 +132,7 @@ class CommContext:
         return self.backend.world_size(group) == 1
 
     def simulated(self, group=None) -> bool:
-        """The fake process group (``benchmarks/simulate.py``, the plan): it moves no data
-        and has no other ranks, so checks that compare ranks have nothing to compare."""
+        """The fake process group (the plan): no data, no other ranks to compare with."""
         return self.backend.name(group) == "fake"
 
     def default_device(self, group=None) -> torch.device:
@@ -157,10 +145,9 @@ class CommContext:
         return self._hosts.get(self._key(group)) or (group, self.default_device(group))
 
     def make_host(self, group=None) -> None:
-        """Make ``group``'s twin for host metadata, where it needs one (a group that moves
-        only device memory, NCCL's): the backend's ``host_group``. Called by the root right
-        after its first forward's agreement, which every rank has just passed (so each makes
-        it, at the same point); one per root, whatever the number of ``zero.shard`` calls."""
+        """Make ``group``'s twin for host metadata where it moves only device memory (NCCL):
+        the backend's ``host_group``. The root calls it right after its first forward's
+        agreement, so every rank makes it at the same point."""
         key = self._key(group)
         make = getattr(self.backend, "host_group", None)
         if key in self._hosts or make is None or self.backend.name(group) in ("gloo", "fake"):
@@ -178,8 +165,10 @@ class CommContext:
 
     # ---- the collectives: agreed (check mode), recorded, launched through the backend ---------
 
-    def _local(self, async_op: bool):
-        """A group of one rank: nothing was sent (the local equivalent was done)."""
+    def _local(self, async_op: bool, output=None, input=None):
+        """A group of one rank: the local equivalent (``output`` the copy of ``input``)."""
+        if output is not None and output.data_ptr() != input.data_ptr():
+            output.copy_(input)
         return Done() if async_op else None
 
     def all_gather(self, output, input, *, group=None, unit: str = "", phase: str = "other",
@@ -187,9 +176,7 @@ class CommContext:
         """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at
         [r * shard, ...). ``input`` may be rank r's slice of ``output`` (in place)."""
         if self.alone(group):  # the shard is the whole
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return self._local(async_op)
+            return self._local(async_op, output, input)
         return _issue("all_gather", output, 1.0, group, unit, phase, async_op, self,
                       lambda b: b.all_gather(output, input, group, async_op=True))
 
@@ -205,11 +192,9 @@ class CommContext:
     def all_to_all(self, output, input, *, group=None, unit: str = "", phase: str = "other",
                    async_op: bool = False):
         """(N * chunk,) on every rank -> (N * chunk,): rank r's chunk s goes to rank s, as
-        chunk r. Each rank keeps one chunk of its own and sends the other (N-1)/N."""
+        chunk r."""
         if self.alone(group):
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return self._local(async_op)
+            return self._local(async_op, output, input)
         return _issue("all_to_all", input, 1.0, group, unit, phase, async_op, self,
                       lambda b: b.all_to_all(output, input, group, async_op=True))
 
@@ -231,10 +216,9 @@ class CommContext:
 
     def launch(self, op: str, buffer, start, *, group=None, unit: str = "",
                phase: str = "other", async_op: bool = False):
-        """A collective that ``start()`` issues itself, not the backend (FSDP2's custom
-        ``AllGather``/``ReduceScatter`` objects: ``zero/features/custom_collectives.py``):
-        agreed, recorded with ``buffer`` (its full (N*S,) buffer) and bounded like the others.
-        ``start()`` returns a handle, or None for a call that has finished."""
+        """A collective that ``start()`` issues itself (FSDP2's custom objects:
+        ``zero/features/custom_collectives.py``), recorded with ``buffer`` (its full (N*S,)
+        buffer); ``start()`` returns a handle, or None for a call that has finished."""
         factor = 2.0 if op == "all_reduce" else 1.0
         return _issue(op, buffer, factor, group, unit, phase, async_op, self,
                       lambda b: start())
@@ -270,19 +254,17 @@ class CommContext:
 
     def next_agreement(self, group) -> int:
         key = self._key(group)
-        seq = self._sequences[key] = self._sequences.get(key, 0) + 1
-        return seq
+        self._sequences[key] = self._sequences.get(key, 0) + 1
+        return self._sequences[key]
 
     def take_names(self, other: "CommContext") -> None:
-        """A context whose units this one takes over (a parent sharded over its children):
-        keep the names it gave its groups (HSDP's, hpZ's)."""
+        """Keep the group names of a context whose units this one takes over."""
         for key, name in other._names.items():
             self._names.setdefault(key, name)
 
 
 def finish(work) -> None:
-    """End a collective through its handle; None is one that had finished when it returned
-    (a blocking call: FSDP2's comm objects and a comm policy may answer so)."""
+    """End a collective through its handle (None: a blocking call that had finished)."""
     if work is not None:
         work.wait()
 

@@ -1,19 +1,15 @@
 """How a unit's flat buffers cross the ranks: the seam a quantized collective replaces.
 
-The mechanism moves exactly two things per unit, and asks this object to move them:
+The mechanism moves two things per unit, and asks this object (``zero/api.py``'s
+``CommPolicy``) to move them:
 
     all_gather      this rank's shard (master dtype)  -> the full flat parameters (compute dtype)
     reduce_scatter  the full flat gradient (reduce dtype) -> this rank's slot of the mean
 
-and, under HSDP, a third: ``all_reduce`` of the reduced shard over the replicas.
-
-``FlatCollectives`` is zero's own answer, and what every benchmark and test runs: cast the
-shard into its slot of the full buffer and all-gather in place; reduce-scatter the gradient in
-place into its own slot. Another answer (ZeRO++'s int8 weight gather, a 4-bit gradient
-reduction, ``zero/features/``) is an object with the same methods (``zero/api.py``'s
-``CommPolicy``), given to ``zero.shard``: it may send other dtypes and other shapes, as long as
-``wait()`` on the handle it returns leaves the same tensors filled. Each collective goes
-through ``ctx``, the root's ``CommContext``: recorded in the ledger, its wait bounded.
+and, under HSDP, ``all_reduce`` of the reduced shard over the replicas. ``FlatCollectives`` is
+zero's own: cast into the slot and all-gather in place; reduce-scatter in place. ZeRO++'s
+(``zero/features/``) may send other dtypes and shapes, as long as ``wait()`` leaves the same
+tensors filled.
 """
 
 from __future__ import annotations

@@ -7,13 +7,10 @@ A record says what moved, for which unit and in which phase of the step::
     ledger.sent_bytes()                      # bytes this rank sent in that step
     ledger.sent_bytes(op="all_gather", phase="forward")
 
-Bytes sent follow the standard ring accounting (each rank sends (N-1)/N of the full buffer
-for an all-gather or a reduce-scatter, twice that for an all-reduce), which is how the ZeRO
-paper counts Ψ and 2Ψ (section 7).
-
-The ledger is also the public way to watch the mechanism from outside: ``Ledger(on_record=fn)``
-calls ``fn(record)`` as each record is made (before the collective is launched), and a
-record's ``done`` is filled in when this rank's ``wait()`` for it returns.
+Bytes sent follow ring accounting ((N-1)/N of the full buffer for an all-gather or a
+reduce-scatter, twice that for an all-reduce), as the ZeRO paper counts Ψ and 2Ψ (section 7);
+notes/02-collectives-and-the-ledger.md reads a step's ledger. ``Ledger(on_record=fn)`` watches
+the mechanism from outside: ``fn(record)`` as each is made, before its launch.
 """
 
 from __future__ import annotations
@@ -30,14 +27,11 @@ import torch
 # for this code on another thread runs in a copy of its context, as disk offload's I/O does).
 _ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_ledgers", default=())
 
-# [Note: host side] Two collectives carry only what the host already knows: the agreement
-# (``zero/comm/agree.py``: fingerprints of what each rank is about to do) and, at the end of
-# backward, which parameters each rank's backward reached. They go through ``host(group)``: on
-# gloo the group itself, on the CPU; on a group that moves only device memory (NCCL) a gloo
-# group of the same ranks, made once by the root at its first forward, so that reading their
-# result never waits for the device's queued work (a device tensor read by the host would: a
-# sync each step, which DDP and FSDP2 do not make). ``on_host()`` marks them, for a tool that
-# times the device's streams (``zerolab/emulate.py`` leaves them off the device's timeline).
+# [Note: host side] Two collectives carry only what the host knows: the agreement and, at the
+# end of backward, which parameters each rank's backward reached. They go through
+# ``CommContext.host(group)``: on NCCL a gloo group of the same ranks, so that reading their
+# result never waits for the device's queued work (a sync each step, which DDP and FSDP2 do not
+# make). ``on_host()`` marks them (``zerolab/emulate.py`` leaves them off the device's timeline).
 _ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("zero_on_host", default=False)
 
 
@@ -75,9 +69,8 @@ class Record:
 
 
 class Ledger:
-    """Records the collectives issued while it is active (``with Ledger() as ledger:``).
-
-    Ledgers nest; every active ledger receives every record.
+    """Records the collectives issued while it is active (``with Ledger() as ledger:``);
+    ledgers nest, and every active one receives every record.
 
     Args:
         on_record: called with each record as it is made (an observer: a trace, a timeline).
@@ -99,14 +92,9 @@ class Ledger:
 
     def select(self, op: str | None = None, phase: str | None = None, unit: str | None = None,
                group: str | None = None):
-        return [
-            r
-            for r in self.records
-            if (op is None or r.op == op)
-            and (phase is None or r.phase == phase)
-            and (unit is None or r.unit == unit)
-            and (group is None or r.group == group)
-        ]
+        return [r for r in self.records if (op is None or r.op == op)
+                and (phase is None or r.phase == phase) and (unit is None or r.unit == unit)
+                and (group is None or r.group == group)]
 
     def sent_bytes(self, op: str | None = None, phase: str | None = None,
                    group: str | None = None) -> int:

@@ -1,24 +1,11 @@
 """Every wait is bounded: a rank left alone in a collective raises, saying what it waited for.
 
-A collective pairs with whatever the other ranks issue next, so ranks that took different
-paths (one skipped a backward, one raised and went on) wait for each other forever: until the
-process group's own timeout, 30 minutes by default, and then with a message about sockets.
-Here every ``wait()`` zero makes has a bound, ``ZERO_TIMEOUT`` seconds (default 300), and on
-expiry raises ``CollectiveTimeout`` on the rank that waited: which collective (its number
-among those this rank issued on that group), for which unit and phase, what this rank issued
-just before it, and what usually causes it.
-
-Why 300 s: long enough for a slow rank doing real work between two collectives (a step of a
-big model, one rank writing a checkpoint), and as long as torchtitan's default timeout for
-initialisation (it uses 100 s once training runs); six times shorter than torch's default.
-A job that legitimately keeps ranks apart for longer sets ``ZERO_TIMEOUT``; ``ZERO_TIMEOUT=0``
-removes the bound (waits as torch does, until the process group's timeout).
-
-The bound costs no collective: it is a timeout on the wait itself, where the backend can
-bound one (``Backend.bounded_wait``: gloo's reduce-scatter is waited for on a helper thread;
-on NCCL only the agreement, whose result the CPU reads anyway, is bounded here, and the
-process group's own timeout bounds the rest: NCCL's watchdog aborts a collective older than
-the ``timeout`` given to ``init_process_group``, so set it as you set ``ZERO_TIMEOUT``).
+Ranks that took different paths wait for each other until the process group's timeout (30
+minutes) and then fail with a message about sockets. Here every ``wait()`` zero makes is bounded
+by ``ZERO_TIMEOUT`` seconds (default 300; 0 removes the bound) and raises ``CollectiveTimeout``
+naming the collective, what this rank issued before it and the usual causes. The bound is a
+timeout on the wait itself, where the backend can bound one (``Backend.bounded_wait``). Why 300
+s, and what gloo and NCCL honour: notes/13-agreement.md, "Every wait has a bound".
 """
 
 from __future__ import annotations
@@ -31,8 +18,7 @@ import time
 
 DEFAULT_TIMEOUT_S = 300.0
 
-# The collectives whose wait expired in this thread of execution (after one, the process
-# group is out of step: a launcher reads this to skip a farewell barrier). A context
+# The collectives whose wait expired in this thread of execution (``expired``): a context
 # variable, not a process-wide list: it belongs to the code that waited.
 _EXPIRED: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_expired", default=())
 
@@ -54,10 +40,8 @@ def expired() -> list[str]:
 
 def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
     """``work.wait()``, bounded by ``ZERO_TIMEOUT`` where the backend allows it (or ``always``:
-    a wait whose result the CPU reads at once). ``op`` names the collective; ``ctx`` is the
-    ``CommContext`` it was issued through (its backend, and what it issued before). None is
-    a collective that had finished when its call returned (a backend's or FSDP2 comm
-    object's blocking call)."""
+    the CPU reads the result at once); ``ctx``: the ``CommContext`` it was issued through.
+    ``work`` None: a blocking call that had finished."""
     if work is None:
         return None
     seconds = timeout_seconds()

@@ -1,38 +1,20 @@
 """What zero does about the code around the units: optimizers, state dicts, old parameters.
 
-Sharding replaces each parameter by this rank's 1-D piece of it. Whatever still reaches
-the old tensors, or reads the pieces as if they were whole, would compute silently wrong
-results; each way in gets a hook that either does the right thing or raises, naming the fix:
-
-- an optimizer over zero's pieces: at its first step zero attaches a step pre-hook and a
-  post-hook to it (to it alone). They run in torch's order, after the pre-hooks the user
-  registered before that first step (a warm-up that sets this step's lr): the pre-hook waits
-  for any all-gather still reading the shard the step is about to write, refuses the replaced
-  originals (built before sharding) and an optimizer that would compute something else on
-  the pieces a layout gives it, and lets each unit's offload policy take its part of the
-  step (disk offload steps unit by unit: ``zero/features/disk_offload.py``; a pre-hook
-  registered after the first step that changes the step's settings then comes too late,
-  and the post-hook says so). The post-hook gives the policies their part after the step,
-  and marks the units stepped, on every rank, even one that holds none of a unit's elements;
-- the original parameters: a module outside the sharded model that shares one would train
-  it on each rank alone; a gradient reaching an original raises;
-- ``load_state_dict(sd, assign=True)`` with the model's own kind of parameters (FSDP2's
-  clients' usual loading): the units adopt the new ones at once (``Unit.adopt_replaced``);
-- ``module.state_dict()`` / ``load_state_dict()``: on a sharded module they would give and
-  take this rank's pieces under the full names (and rank 0's file would load, silently
-  wrong, everywhere); they raise and point to ``zero.full_state_dict`` /
-  ``zero.load_full_state_dict`` and ``zero.save`` / ``zero.load``.
+Sharding replaces each parameter by this rank's 1-D piece of it. Whatever still reaches the old
+tensors, or reads the pieces as if they were whole, would compute silently wrong results; each
+way in gets a hook that does the right thing or raises, naming the fix: an optimizer over the
+pieces (a step pre- and post-hook: notes/03-stage1.md, "Hooks on the optimizer"), the original
+parameters (notes/13-agreement.md, "zero_grad, state_dict, buffers"), ``load_state_dict(sd,
+assign=True)`` (the units adopt the new parameters: notes/18-edge-cases.md), and
+``module.state_dict()`` / ``load_state_dict()`` (they raise, naming ``zero.full_state_dict``
+and ``zero.save``).
 
 [Note: finding the optimizers] torch gives no hook for an optimizer being built, so zero
-learns of one at its first step. The first ``zero.shard`` of a process listens (``watch``)
-with torch's global step pre-hook, which asks each optimizer stepping whether it holds zero's
-pieces and attaches the two hooks above if so. It listens for the life of the process: an
-optimizer may be built at any time (a second fine-tuning phase, ``Trainer.train()`` called
-again, Lightning's learning-rate finder), and one that got no hooks would give its state
-dict in pieces without a word and skip the offload policies' part of the step. It holds no
-model (a listener per model, removed with it, could be removed while torch walks the hooks
-in another optimizer's step, which raises). For an optimizer already looked at, the global
-hook returns after one look at its ``_zero_seen`` mark.
+learns of one at its first step: the first ``zero.shard`` of a process registers torch's global
+step pre-hook (``watch``), which attaches zero's two hooks to each optimizer over its pieces.
+It listens for the life of the process (an optimizer may be built at any time: a second
+fine-tuning phase) and holds no model (a listener per model could be removed while torch walks
+the hooks); an optimizer already looked at costs one look at its ``_zero_seen`` mark.
 """
 
 from __future__ import annotations
@@ -68,8 +50,7 @@ def _outside_use(name: str, unit, grad):
 
 
 def install(modules: list[nn.Module]) -> None:
-    """The state-dict hooks, on every module that holds a sharded parameter (and the unit's
-    own)."""
+    """The state-dict hooks, on every module that holds a sharded parameter."""
     for module in modules:
         if not getattr(module, "_zero_state_dict_hooks", False):
             module.register_state_dict_pre_hook(_state_dict_pre_hook)
@@ -79,9 +60,7 @@ def install(modules: list[nn.Module]) -> None:
 
 
 def watch() -> None:
-    """Listen for the first step of the optimizers over zero's units (module note): once a
-    process, with one listener that holds nothing (it asks each optimizer what it holds), so
-    that nothing of a model outlives it and nothing is removed while torch walks the hooks."""
+    """Listen for the first step of the optimizers over zero's units, once a process (module note)."""
     marked = torch_optimizer  # (zero's mark on torch's module, beside the hooks it keeps)
     if not getattr(marked, "_zero_watching", False):
         register_optimizer_step_pre_hook(discover)
@@ -89,15 +68,14 @@ def watch() -> None:
 
 
 def discover(optimizer, args, kwargs) -> None:
-    """torch's global step pre-hook: attach zero's hooks to ``optimizer`` if it holds zero's
-    pieces (``serve``)."""
+    """torch's global step pre-hook (``serve``)."""
     serve(optimizer)
     return None
 
 
 def serve(optimizer) -> None:
-    """Attach zero's two hooks to ``optimizer`` if it holds zero's pieces (once; looked at
-    again only if a parameter group was added since)."""
+    """Attach zero's two hooks to ``optimizer`` if it holds zero's pieces (looked at again
+    only if a parameter group was added since)."""
     seen = optimizer.__dict__.get("_zero_seen")
     if seen is not None and seen[0] == len(optimizer.param_groups):
         return
@@ -127,7 +105,7 @@ def units_of_optimizer(optimizer) -> list:
 
 
 def _before_step(optimizer, args, kwargs):
-    """zero's step pre-hook on ``optimizer`` (the last of its pre-hooks: module note)."""
+    """zero's step pre-hook on ``optimizer``, the last of its pre-hooks."""
     units = units_of_optimizer(optimizer)
     if units:
         _refuse_whole_tensor_optimizers(optimizer, units)
@@ -161,14 +139,11 @@ def _settings(optimizer) -> list[str]:
     return [repr({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
 
 
-# [Note: an optimizer's state dict] torch's optimizer.state_dict() holds each parameter's
-# state by position, and here each parameter is this rank's piece: DCP, given it under the
-# same keys on every rank, takes the pieces for replicated copies and keeps one rank's, and a
-# state dict saved on rank 0 and loaded everywhere (DDP's habit) resumes every rank with rank
-# 0's moments. So from an optimizer's first step over pieces on, its state_dict() and
-# load_state_dict() raise, naming what does it right; with layout "rows" the state is FSDP2's
-# (DTensors), which DCP handles, and they work. State loaded before the first step is checked
-# at that step: every elementwise state (exp_avg...) must have its piece's shape.
+# [Note: an optimizer's state dict] It holds this rank's pieces by position, which DCP (or a
+# rank 0 file loaded everywhere) would take for replicated state: from an optimizer's first
+# step over pieces on, its state_dict() and load_state_dict() raise, naming what does it right
+# (with layout "rows" the state is FSDP2's DTensors, and they work). State loaded before the
+# first step is checked then: every elementwise state must have its piece's shape.
 
 
 def _guard_state_dicts(optimizer, units) -> None:
@@ -228,9 +203,8 @@ def _refuse_whole_tensor_optimizers(optimizer, units) -> None:
 
 
 def _after_step(optimizer, args, kwargs) -> None:
-    """The policies' part after the step; then mark every unit with a parameter in
-    ``optimizer`` as stepped: the next forward refreshes it on every rank, whether or not this
-    rank holds any of its elements (``whole``)."""
+    """The policies' part after the step; then mark the optimizer's units stepped, on every
+    rank, even one that holds none of a unit's elements (``whole``)."""
     units = units_of_optimizer(optimizer)
     settings = optimizer.__dict__.pop("_zero_step_settings", None)
     if settings is not None and settings != _settings(optimizer):
@@ -245,8 +219,7 @@ def _after_step(optimizer, args, kwargs) -> None:
 
 
 def _shows_dtensors(module) -> bool:
-    """Whether ``module``'s sharded parameters are DTensors of their full shape (layout
-    "rows", FSDP2's): its state dict is then FSDP2's, which DCP reads right."""
+    """Whether ``module``'s sharded parameters are FSDP2's DTensors (layout "rows")."""
     units = {registry.unit_of(p) for p in module._parameters.values()} | set(
         registry.units_on(module))
     units.discard(None)
@@ -263,9 +236,8 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
 
 
 def _adopt_after_load(module, incompatible_keys) -> None:
-    """``load_state_dict(sd, assign=True)`` put new parameters in the module (FSDP2's clients'
-    usual loading): the units adopt them (``Unit.adopt_replaced``) before anything else runs,
-    once the ranks agree that they all replaced the same (zero/core/adoption.py's note)."""
+    """After ``load_state_dict(sd, assign=True)`` the units adopt the new parameters, once the
+    ranks agree that they all replaced the same (zero/core/adoption.py's note)."""
     units = registry.units_on(module)
     if units and not state_dict_access_granted():  # (zero's own loads put views there)
         comm.agree(f"adopt what load_state_dict put in {type(module).__name__}"

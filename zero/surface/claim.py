@@ -1,9 +1,7 @@
 """Which parameters a ``zero.shard`` call claims for its unit, and what it refuses to claim.
 
-A call makes one unit of the parameters of its module(s) that no unit below owns yet and that
-are not ignored; each may be used by several modules (a tied weight), and all its users must
-be inside the unit. Everything here is local to a rank and moves no data: ``zero.shard`` runs
-it inside ``comm.raising_together``, so that a refusal on one rank raises on all of them.
+Those of its module(s) that no unit below owns and that are not ignored, with all their users
+inside. Local to a rank: ``zero.shard`` runs it inside ``comm.raising_together``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Gradient clipping by the global norm, when every rank holds only a shard of the gradients.
 
-Each rank's shard is one part of the whole gradient, so a rank's local norm means nothing on
-its own: sum |g|^p over the local pieces, all-reduce the sums, take the p-th root (for the
-inf-norm: all-reduce the local maxima). llm.c makes the same point about its ZeRO-1 norm.
-
-Equality with DDP: the global norm is the same number, summed in a different order, so it
-can differ from ``torch.nn.utils.clip_grad_norm_`` by an ulp or two; the inf-norm (a maximum)
-is exact. ``notes/07-equality.md`` has the arithmetic.
+Sum |g|^p over the local pieces, all-reduce the sums, take the p-th root (the inf-norm: the
+maxima); llm.c makes the same point about its ZeRO-1 norm. The 2-norm may differ from torch's
+by an ulp or two (another order of sums), the inf-norm is exact (``notes/07-equality.md``).
 """
 
 from __future__ import annotations
@@ -81,7 +77,6 @@ def clip_grad_norm_(
 
 
 def _norm(tensors: list, norm_type: float) -> torch.Tensor:
-    """The norm of ``tensors`` in torch.nn.utils.clip_grad_norm_'s order: each tensor's norm,
-    then the norm of those."""
+    """The norm of ``tensors`` in torch's order: each tensor's norm, then the norm of those."""
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in tensors])
     return torch.linalg.vector_norm(norms, norm_type)

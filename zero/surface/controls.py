@@ -1,23 +1,11 @@
 """FSDP2's controls, with FSDP2's names and meaning: functions of the sharded module.
 
-FSDP2 makes them methods of the module (``model.unshard()``); here the module is the first
-argument (``zero.unshard(model)``), because zero does not change your module's class.
-
-    zero.unshard(module, async_op=False)    gather a unit and keep it gathered (an eval loop)
-    zero.reshard(module)                    free it again (stage 3), let the hooks decide
-    zero.set_modules_to_forward_prefetch(module, [m1, m2])    explicit prefetch, forward
-    zero.set_modules_to_backward_prefetch(module, [m1, m2])   and backward
-    zero.set_reshard_after_forward(module, False)             keep a unit between forward and
-                                                              backward (torchtitan's last block)
-    zero.set_reshard_after_backward(module, False)            keep units gathered across
-                                                              gradient-accumulation micro-batches
-    zero.set_requires_gradient_sync(module, False)            ``no_sync`` without a context
-    with zero.no_sync(model): ...                             DDP's: accumulate, unsynced
-
-One difference, on purpose: FSDP2's ``unshard()`` only gathers (the next forward's hooks
-reshard as usual); ours also *pins* the unit, so that a loop of forwards, evaluation or
-generation, runs on gathered parameters without a gather per forward, until ``reshard``.
-An optimizer step meanwhile re-gathers the pinned unit from its new shard at the next forward.
+FSDP2 makes them methods (``model.unshard()``); here the module is the first argument
+(``zero.unshard(model)``), because zero does not change your module's class, and ``no_sync`` is
+DDP's. One difference, on purpose: FSDP2's ``unshard()`` only gathers; ours also *pins* the
+unit, so that a loop of forwards (evaluation, generation) runs on gathered parameters without a
+gather per forward, until ``reshard``. An optimizer step meanwhile re-gathers the pinned unit
+from its new shard at the next forward.
 """
 
 from __future__ import annotations
@@ -117,13 +105,9 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool,
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
-    """Accumulate gradients over micro-batches without communication (like DDP's ``no_sync``).
-
-    Inside, backward leaves each unit's full flat gradient in place (full-size, as in DDP);
-    the first backward outside reduces everything accumulated. As with DDP,
-    ``optimizer.zero_grad()`` (or ``model.zero_grad()``) in between discards what was
-    accumulated.
-    """
+    """Accumulate gradients over micro-batches without communication (DDP's ``no_sync``): each
+    unit's full flat gradient stays in place, and the first backward outside reduces it all;
+    ``zero_grad()`` in between discards it, as with DDP."""
     units = registry.units_of(model)
     before = [u.controls.requires_grad_sync for u in units]
     for u in units:

@@ -1,36 +1,16 @@
 """``zero.fully_shard``: FSDP2's ``fully_shard``, argument for argument, over zero's mechanism.
 
-Code written for FSDP2 (torchtitan is the largest) talks to more than ``fully_shard``: it asks
-``isinstance(module, FSDPModule)`` and calls the module's methods (``set_gradient_divide_factor``,
-``unshard``, ``set_requires_gradient_sync``...), reads DTensor parameters, and saves through
-DCP's state-dict functions. Where it does not find them it skips them, silently: a gradient
-divide factor never set halves the gradients. So this entry point does what ``fully_shard``
-does to a module, with ``zero.shard`` underneath:
-
-- it swaps the module's class for ``FSDP<Class>``, a subclass of torch's ``FSDPModule`` and of
-  the original class, whose FSDP2 methods act on zero's units (``ZeroFSDPModule``,
-  ``zero/surface/fsdp2_module.py``: every one of torch's);
-- its default layout is "rows", FSDP2's, so the parameters are ``Shard(0)`` DTensors and the
-  training is bitwise FSDP2's (``zero/core/rows.py``);
-- each unit's collectives go through a comm policy of its own call
-  (``zero/features/custom_collectives.py``), zero's own until FSDP2's methods give it custom
-  objects;
-- each FSDP2 argument is taken or refused by name: ``mesh`` (1-D; or 2-D, (replicate,
-  shard): HSDP, parameters placed ``(Replicate(), Shard(0))`` as FSDP2's),
-  ``reshard_after_forward`` (stage 3's; an int k, FSDP2's reshard to groups of k ranks
-  after forward, is zero's hpZ: ``_post_forward_group``), ``mp_policy`` (torch's
-  ``MixedPrecisionPolicy`` or ours), ``offload_policy`` (torch's ``CPUOffloadPolicy`` or
-  ours: ``zero/features/offload.py``), ``ignored_params``, ``shard_placement_fn``
-  (``Shard(dim)``, any dim that divides, as FSDP2's), ``dp_mesh_dims`` (None only).
-  ``stage`` picks the ZeRO stage (3 by default, as ``fully_shard``).
-
-At stages 1 and 2 the full parameters stay between steps: that is what those stages are. The
-FSDP2 calls that ask to free them (``reshard_after_forward=True``, which torchtitan passes for
-every block, ``set_reshard_after_forward/backward(True)``, which its chunked loss makes every
-step) are accepted and warn that they are not honoured; asking to keep them is what happens.
-
-``zero.shard`` stays the teaching entry point; both make the same units. torchtitan trains on
-this unchanged, bitwise FSDP2's: ``benchmarks/torchtitan_example.py``.
+Code written for FSDP2 (torchtitan) asks ``isinstance(module, FSDPModule)``, calls its methods,
+reads DTensor parameters and saves through DCP, and silently skips what it does not find (a
+divide factor never set halves the gradients). So this does what ``fully_shard`` does, with
+``zero.shard`` underneath: the module's class becomes ``FSDP<Class>``, a subclass of torch's
+``FSDPModule`` and of the original (``zero/surface/fsdp2_module.py``); the layout is "rows", so
+training is bitwise FSDP2's; each unit's collectives go through its own
+``zero/features/custom_collectives.py``; each FSDP2 argument is taken or refused by name
+(notes/11-conformance.md, "FSDP2's surface, item by item"). ``stage`` picks the ZeRO stage (3
+by default): at stages 1 and 2 the FSDP2 calls that ask to free the parameters warn that they
+are not honoured (``not_freed``). torchtitan trains on it unchanged:
+``benchmarks/torchtitan_example.py``.
 """
 
 from __future__ import annotations
@@ -115,8 +95,7 @@ def _reshard_after_forward(value, stage: int, mesh) -> tuple[bool | None, object
 
 
 def _warn_layout(layout: str) -> None:
-    """Another layout than FSDP2's: what its clients (accelerate, the HF Trainer, Lightning,
-    torchtune) then miss, as the warning says."""
+    """Another layout than FSDP2's: what its clients then miss, as the warning says."""
     warnings.warn(
         f"fully_shard(layout={layout!r}): torch.nn.utils.clip_grad_norm_ on this model "
         "clips each rank by the norm of its own share of the gradients (each rank a "
@@ -136,13 +115,9 @@ def _fsdp_class(cls: type) -> type:
 
 
 def _post_forward_group(k: int, mesh) -> tuple[bool, object]:
-    """FSDP2's ``reshard_after_forward=k``: after forward, each rank keeps its 1/k of the
-    parameters, over the k consecutive ranks of the mesh (its ranks in order, cut in rows of
-    k: 8 on 16 ranks gives {0..7} and {8..15}; within each shard row under HSDP), and
-    backward gathers them from those k only. That is zero's hpZ (``zero.shard(...,
-    secondary_group=...)``): (True, the group of this rank's k). k must divide the shard
-    group's size; 1 is False (FSDP2 warns), the whole group is True. The groups are made
-    once per mesh (with ``mesh=None`` at each call: pass the mesh)."""
+    """FSDP2's ``reshard_after_forward=k``: after forward each rank keeps its 1/k of the
+    parameters over k consecutive ranks of the mesh (8 on 16 ranks: {0..7}, {8..15}), which is
+    zero's hpZ: (True, this rank's group of k). The groups are made once per mesh."""
     ranks = (torch.arange(dist.get_world_size()) if mesh is None
              else mesh.mesh.flatten())  # (FSDP2: mesh.mesh.view(-1, k), replicas flattened)
     size = len(ranks) if mesh is None else mesh.size(mesh.ndim - 1)

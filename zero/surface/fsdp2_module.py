@@ -1,13 +1,9 @@
 """``FSDPModule``'s methods over zero's units: what ``zero.fully_shard`` mixes into a module.
 
-``zero.fully_shard`` swaps a module's class for ``FSDP<Class>``, a subclass of torch's
-``FSDPModule`` and of the original class (``zero/surface/fsdp2.py``); its FSDP2 methods are
-these. As in FSDP2, each acts on the units this module's ``fully_shard`` made (a trainable
-one, and a frozen one beside it), and ``recurse`` extends it to the units below. Every public
-method of torch's ``FSDPModule`` is here (``tests/surface/test_fsdp2_methods.py`` lists them
-against torch's class and runs each beside FSDP2), grouped by what it concerns: gathering,
-gradients, the collectives (``zero/features/custom_collectives.py``), and what torch's
-functions read (``zero/surface/fsdp2_state.py``) or changing the module's tensors would break.
+As in FSDP2, each acts on the units this module's ``fully_shard`` made, and ``recurse`` extends
+it to the units below. Every public method of torch's ``FSDPModule`` is here (a later torch's
+are refused by name), grouped by concern; notes/11-conformance.md, "FSDP2's surface, item by
+item", gives each one's test beside FSDP2.
 """
 
 from __future__ import annotations
@@ -30,9 +26,7 @@ from zero.surface.fsdp2_state import FSDPStateView
 
 
 def not_freed(call: str) -> None:
-    """Stages 1 and 2 keep the full parameters between steps: that is what the stage is. An
-    FSDP2 call asking to free them is accepted (code written for FSDP2 makes it as a matter
-    of course) and says once that it is not honoured; asking to keep them is what happens."""
+    """An FSDP2 call asking stage 1 or 2 to free the parameters: accepted, with a warning."""
     warnings.warn(f"{call}: stages 1 and 2 keep the parameters between forward and backward "
                   "and between steps; use stage=3 to free them", stacklevel=3)
 
@@ -44,7 +38,7 @@ class ZeroFSDPModule(FSDPModule):
 
     @property
     def _module(self) -> nn.Module:
-        """This object, as the module it is (which a type checker cannot know)."""
+        """This object, as the module it is (for the type checker)."""
         return cast(nn.Module, self)
 
     def _units(self, recurse: bool = False) -> list:
@@ -53,16 +47,14 @@ class ZeroFSDPModule(FSDPModule):
     # ---- gathering -------------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False):
-        """Gather this module's parameters (not the units below, as FSDP2), and keep them
-        gathered until ``reshard()`` (``zero.unshard``)."""
+        """``zero.unshard``: gathered until ``reshard()``."""
         return controls.unshard(self._module, async_op=async_op)
 
     def reshard(self) -> None:
         controls.reshard(self._module)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Stage 3's knob. At stages 1 and 2 the parameters stay gathered (``not_freed``);
-        torchtitan's chunked loss sets it False on ``lm_head``, then True again."""
+        """Stage 3's knob (at stages 1 and 2, ``not_freed``)."""
         if not isinstance(reshard_after_forward, bool):  # (FSDP2's check: an int is for init)
             raise ValueError(f"reshard_after_forward should be a bool, got "
                              f"{type(reshard_after_forward)}: a group size to reshard to "
@@ -73,15 +65,14 @@ class ZeroFSDPModule(FSDPModule):
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
-        """Stage 3 (at stages 1 and 2 the parameters stay gathered, as ``not_freed`` says)."""
+        """Stage 3's knob (at stages 1 and 2, ``not_freed``)."""
         if reshard_after_backward and any(not u.frees_parameters
                                           for u in self._units(recurse)):
             not_freed("set_reshard_after_backward(True)")
         controls.set_reshard_after_backward(self._module, reshard_after_backward, recurse=recurse)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """False: backward needs none of this module's parameters (an embedding's gradient
-        reads only its indices), so it is not gathered for backward, nor prefetched."""
+        """False: backward needs none of its parameters (an embedding's): not gathered for it."""
         for unit in self._units():
             unit.controls.unshard_in_backward = unshard_in_backward
 
@@ -92,8 +83,7 @@ class ZeroFSDPModule(FSDPModule):
         controls.set_modules_to_backward_prefetch(self._module, modules)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """The next all-gathers must follow the optimizer step: zero's collectives are issued
-        on the current stream after it, so waiting for the event here is enough."""
+        """zero's side streams follow the current stream, so waiting for ``event`` is enough."""
         event.wait()
 
     # ---- gradients -------------------------------------------------------------------------
@@ -106,16 +96,13 @@ class ZeroFSDPModule(FSDPModule):
             unit.controls.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: False reduce-scatters within the shard group but sums the micro-batches
-        without the all-reduce over the replicas, until a backward with it (``zero/core/
-        grads.py``'s note on partial reductions). On a 1-D mesh there is none: no change."""
+        """HSDP: False sums the micro-batches without the all-reduce over the replicas, until a
+        backward with it (``zero/core/grads.py``'s note on partial reductions)."""
         for unit in self._units(recurse):
             unit.controls.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Reduce with a sum and divide by ``factor`` (FSDP2's arithmetic, ``divide_factors``):
-        1.0 for code that divides its loss itself (torchtitan divides by the global token
-        count)."""
+        """Reduce with a sum and divide by ``factor`` (FSDP2's ``divide_factors``)."""
         for unit in self._units():
             unit.controls.divide_factor = factor
 
@@ -128,17 +115,14 @@ class ZeroFSDPModule(FSDPModule):
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
-        """Reduce zeros for what got no gradient: every parameter gets one (zeros where no
-        rank used it), as FSDP2 then does. zero reduces whole units, unused pieces included,
-        either way, so ranks that use different experts never disagree."""
+        """Every parameter gets a gradient (zeros where no rank used it), as FSDP2 then does."""
         for unit in self._units(recurse):
             unit.controls.reduce_unused = reduce_scatter_unused_params
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream=None) -> None:
-        """``hook(shard)`` on each reduced gradient shard, in ``reduce_dtype``, after HSDP's
-        all-reduce if any and before the division after the sum: a reduction of the user's
-        own (a custom HSDP), on ``stream`` (default: the all-reduce stream)."""
+        """``hook(shard)`` on each reduced gradient shard, after HSDP's all-reduce if any and
+        before the division after the sum, on ``stream`` (default: the all-reduce stream)."""
         for unit in self._units():
             if stream is not None and unit.replicated:
                 raise ValueError("set_all_reduce_hook(stream=...) with HSDP: the hook runs "
@@ -146,15 +130,13 @@ class ZeroFSDPModule(FSDPModule):
             unit.controls.all_reduce_hook = (hook, stream)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """False: another backward follows in the same forward order (1F1B pipelining), so
-        the order to prefetch by is kept for it (``Root.finish_backward``)."""
+        """False: another backward follows in the same order (1F1B): its prefetch order is kept."""
         for unit in self._units():
             unit.root.is_last_backward = is_last_backward
 
     def reset_iter_state(self) -> None:
-        """After a forward or backward that raised: every unit back to IDLE, its gathers and
-        reductions in flight ended and their gradients discarded (the next forward would do
-        the same, with a warning). The root's only, as FSDP2's."""
+        """After a forward or backward that raised: every unit back to IDLE, work in flight
+        ended, gradients discarded. The root's only, as FSDP2's."""
         units = self._units()
         if not units or units[0].parent is not None:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module: the "
@@ -165,11 +147,9 @@ class ZeroFSDPModule(FSDPModule):
 
     def _change_collectives(self, what: str, change: Callable[..., CustomCollectives],
                             recurse: bool = False, gathers: bool = False) -> None:
-        """Give this module's units (and those below, with ``recurse``) the comm policy
-        ``change(policy, unit)`` makes from the ``CustomCollectives`` ``fully_shard`` gave
-        them. Policies are frozen: each unit takes a changed copy (``Unit.use_comm``).
-        ``gathers``: the change is about the all-gather, which a unit whose parameters send
-        what their tensor subclass returns (``SubclassForm``) does not issue through it."""
+        """Give the units the comm policy ``change(policy, unit)`` makes from their
+        ``CustomCollectives`` (a changed copy: ``Unit.use_comm``). ``gathers``: the change is
+        about the all-gather, which a ``SubclassForm`` does not issue through the policy."""
         units = self._units(recurse)
         if gathers and any(sp.form.sends for u in units for sp in u.sharded_params):
             raise NotImplementedError(
@@ -190,8 +170,7 @@ class ZeroFSDPModule(FSDPModule):
             unit.use_comm(partial(changed, unit=unit))
 
     def set_custom_all_gather(self, comm) -> None:
-        """FSDP2's ``AllGather`` object (``allocate`` and ``__call__``) gathers this module's
-        parameters, through zero's comm seam (``zero/features/custom_collectives.py``)."""
+        """FSDP2's ``AllGather`` object gathers this module's parameters."""
         self._change_collectives("set_custom_all_gather", lambda policy, unit: replace(
             policy, all_gather_comm=comm), gathers=True)
 
@@ -201,8 +180,7 @@ class ZeroFSDPModule(FSDPModule):
             policy, reduce_scatter_comm=comm))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """The collectives' buffers from the process group's own allocator (NCCL's, for
-        zero-copy transfers); gloo has none, and there, as in FSDP2, ``torch.empty``."""
+        """The buffers from the process group's allocator (gloo has none: ``torch.empty``)."""
         what = "set_allocate_memory_from_process_group_for_comm"
 
         def change(policy: CustomCollectives, unit) -> CustomCollectives:
@@ -211,8 +189,7 @@ class ZeroFSDPModule(FSDPModule):
         self._change_collectives(what, change, gathers=True)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """The all-gather's buffers in NCCL's symmetric memory, through torch's own objects
-        (and the reduce-scatter's, with only sums on the wire, as FSDP2)."""
+        """The buffers in NCCL's symmetric memory, through torch's own objects."""
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
             SymmMemAllGather, SymmMemReduceScatter)
 
@@ -233,8 +210,8 @@ class ZeroFSDPModule(FSDPModule):
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
-        """The reduce-scatters on a process group of their own over the same ranks (one per
-        rank set), so that they need not queue behind the all-gathers on one communicator."""
+        """The reduce-scatters on a group of their own over the same ranks, not queued behind
+        the all-gathers."""
         made: dict = {}
 
         def change(policy: CustomCollectives, unit) -> CustomCollectives:
@@ -252,8 +229,7 @@ class ZeroFSDPModule(FSDPModule):
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
-        """Let up to this many reduce-scatters fly at once (``zero/core/reductions.py``):
-        their full gradients stay alive meanwhile, memory for overlap."""
+        """Up to this many reduce-scatters in flight (``zero/core/reductions.py``)."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got "
                             f"{type(max_input_buffers).__name__}")
@@ -265,8 +241,7 @@ class ZeroFSDPModule(FSDPModule):
     # ---- what torch's functions read, and what would detach the parameters ------------------
 
     def _get_fsdp_state(self):
-        """What ``register_fsdp_forward_method`` and ``share_comm_ctx`` read
-        (``zero/surface/fsdp2_state.py``)."""
+        """What ``register_fsdp_forward_method`` and ``share_comm_ctx`` read."""
         return FSDPStateView(self._module)
 
     def to_empty(self, *, device, recurse: bool = True):
@@ -292,9 +267,8 @@ class ZeroFSDPModule(FSDPModule):
 
 
 def _refuse_custom_objects(what: str, policy: CustomCollectives, ours: tuple = ()) -> None:
-    """FSDP2's buffer settings do not combine with its custom objects, which allocate their
-    buffers themselves (its docstrings say so; zero refuses rather than overrule one).
-    ``ours``: the setting's own objects (a second call replaces them)."""
+    """FSDP2's buffer settings do not combine with custom objects, which allocate their own
+    buffers; ``ours``: the setting's own objects (a second call replaces them)."""
     if any(c is not None and not isinstance(c, ours)
            for c in (policy.all_gather_comm, policy.reduce_scatter_comm)):
         raise ValueError(f"{what} with a custom all-gather or reduce-scatter "

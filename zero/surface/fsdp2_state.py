@@ -1,22 +1,10 @@
 """What torch's own functions read of an FSDP2 module's state, answered from zero's units.
 
-Two public functions of ``torch.distributed.fsdp`` reach past the module's methods into its
-state (``module._get_fsdp_state()``), and a module sharded by ``zero.fully_shard`` must answer
-them in zero's terms:
-
-- ``register_fsdp_forward_method(module, "generate")`` wraps the method in the state's
-  ``_pre_forward`` and ``_post_forward``, so that a method other than ``forward`` gathers the
-  module's parameters (the HF Trainer registers ``generate``). Here they are the unit's own
-  hooks (``zero/core/hooks.py``'s ``pre_forward_method``): the parameters are gathered and the
-  module computes with them (its own layers too, called from the method), and a ``forward``
-  the method calls runs inside it;
-- ``share_comm_ctx([stage0, stage1, ...])`` reads the first module's ``_comm_ctx`` and sets it
-  on the others' states and on each of their ``_fsdp_param_groups`` (pipeline stages, each a
-  root, sharing one context and its streams). Here a state's ``_comm_ctx`` is its root's
-  ``CommContext``, and setting it is ``Root.share_context``.
-
-Anything else torch's internals ask of an FSDP2 state (``FSDPMemTracker`` reads many of its
-fields) is refused by name, with what to use instead.
+``register_fsdp_forward_method`` (the HF Trainer's ``generate``) wraps a method in the state's
+``_pre_forward`` / ``_post_forward``: here the unit's own hooks (``hooks.pre_forward_method``).
+``share_comm_ctx`` sets the first module's ``_comm_ctx`` on the others' states and their
+``_fsdp_param_groups``: here the root's ``CommContext`` (``Root.share_context``). Anything else
+(``FSDPMemTracker``'s reads) is refused by name (notes/15, "The FSDP2 internals zero answers").
 """
 
 from __future__ import annotations

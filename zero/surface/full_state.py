@@ -1,14 +1,9 @@
 """The model's state whole, in and out: ``zero.full_state_dict`` and ``zero.load_full_state_dict``.
 
 Both put full-size tensors where the modules use their parameters and let torch's own
-``nn.Module.state_dict`` / ``load_state_dict`` do the rest, so the keys are exactly the
-unsharded model's: tied parameters under every name that uses them, persistent buffers,
-extra state, whatever the model's state-dict hooks add (as FSDP2's
-``get_model_state_dict(..., full_state_dict=True)``). Out: each unit's shard is all-gathered
-(collective: call on every rank). In: the same gather first, so that torch overwrites only
-what the dict holds (``strict=False`` keeps the rest, as on a plain module), then each rank
-copies its own pieces out of the full tensors, and the full parameters are refreshed from
-the new shards.
+``state_dict`` / ``load_state_dict`` do the rest, so the keys are exactly the unsharded model's
+(FSDP2's ``get_model_state_dict(..., full_state_dict=True)``). In: gathered first, so torch
+overwrites only what the dict holds; then each rank copies its pieces into its shards.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ TP_FIX = ("use torch's get_model_state_dict / set_model_state_dict with "
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Return the unsharded model's ``state_dict()`` on every rank (fp32 master values, not
-    the compute copy)."""
+    """The unsharded model's ``state_dict()`` on every rank (the fp32 master values)."""
     units = units_of(model)  # the same order on every rank
     placement.refuse(units, "zero.full_state_dict", TP_FIX)
     adoption.adopt_agreed(units, "gather a full state dict",
@@ -63,15 +57,13 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
         model: the sharded model; state_dict: its full state, keyed as ``full_state_dict``.
         strict: as ``nn.Module.load_state_dict``'s; with False, what the dict lacks keeps
             its value.
-        broadcast_from_rank0: FSDP2's name: only rank 0's ``state_dict`` is read (the others
-            may pass ``{}``), and each unit's full parameters, then the parameters no unit
-            shards (``ignored_params``, modules without a unit) and the buffers, are sent to
-            every rank from it. Without it every rank must pass the same values: ranks whose
-            values differ raise, on every rank (a model half rank 0's weights and half each
-            rank's initial values would train silently otherwise).
+        broadcast_from_rank0: FSDP2's: only rank 0's ``state_dict`` is read (the others may
+            pass ``{}``), and its values are sent to every rank. Without it every rank must
+            pass the same values: ranks whose values differ raise.
 
-    Returns what ``nn.Module.load_state_dict`` returns (missing and unexpected keys), on every
-    rank (with ``broadcast_from_rank0``, rank 0's, as FSDP2's ``set_model_state_dict``).
+    Returns:
+        What ``nn.Module.load_state_dict`` returns, on every rank (rank 0's with
+        ``broadcast_from_rank0``, as FSDP2's ``set_model_state_dict``).
     """
     units = units_of(model)
     placement.refuse(units, "zero.load_full_state_dict", TP_FIX)

@@ -10,11 +10,8 @@ from zero import comm
 class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for sharded gradients (fp16), like FSDP2's ``ShardedGradScaler``.
 
-    A scaler looks for inf/NaN in the gradients it unscales, and skips ``opt.step()`` if it
-    finds any. Each rank holds only its shard of the gradients, so an overflow shows on the
-    rank whose shard holds it: torch's plain GradScaler would skip the step on that rank
-    alone, and the ranks would diverge (zero raises at the next forward). This one agrees
-    on ``found_inf`` across ranks (a maximum) before anyone decides.
+    An overflow shows on the rank whose shard holds it, and torch's plain GradScaler would
+    skip the step there alone; this one agrees on ``found_inf`` across ranks (a maximum).
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as

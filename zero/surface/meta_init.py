@@ -1,19 +1,10 @@
 """``zero.init_parameters``: fill a model that was sharded straight from the meta device.
 
-Build the model on the meta device (``with torch.device("meta"): model = GPT(cfg)``): its
-parameters have shapes but no memory. ``zero.shard`` then gives each rank only its own
-shards. What is left is to give them values, and the values must be the ones the full model
-would have had, or the run would depend on the world size.
-
-Random initialisation draws from one generator in a fixed order, so we replay that order:
-walk ``model.modules()`` as a full initialisation would, and for each module give its own
-parameters a full-size home (a temporary flat buffer per unit, viewed into the module), call
-``init_fn(module)``, and as soon as a unit's last module is done keep this rank's shard and
-drop the buffer. At any moment a rank holds the full parameters of the root and one other
-unit, never the whole model.
-
-FSDP2's way is the other one, ``to_empty`` (a ``zero.fully_shard`` module's method): memory
-for the rest, then the model's own init writes the shards through their DTensors.
+The values must be those the full model would have had, so the random draws are replayed in
+their order: walk ``model.modules()``, give each module's parameters a temporary full-size home,
+call ``init_fn(module)``, and keep this rank's shard once a unit's last module is done; a rank
+holds the root and one other unit whole at most (notes/09-scale.md, "Why it replays
+``model.modules()``"). FSDP2's way is ``to_empty`` (a ``zero.fully_shard`` module's method).
 """
 
 from __future__ import annotations
@@ -88,9 +79,8 @@ def _full_size(unit) -> torch.Tensor:
 
 
 def to_empty(model: nn.Module, device) -> None:
-    """``model.to_empty(device=...)`` after ``fully_shard`` on the meta device: the shards
-    already live on their device; give the rest (buffers, ignored parameters) memory there,
-    uninitialised, as ``nn.Module.to_empty`` does, and leave the values to the model's init."""
+    """``model.to_empty(device=...)`` after ``fully_shard`` on meta: memory for the rest
+    (buffers, ignored parameters), uninitialised; the values are the model's init's."""
     device = torch.device(device)
     units = registry.units_of(model)
     where = units[0].sharded.device

@@ -1,9 +1,5 @@
-"""What ``zero.shard`` is told, in one object: ``Options``, and how the ranks compare it.
-
-``zero.shard`` takes FSDP2's and FSDP1's arguments by name (its docstring lists them); they
-are gathered here into one frozen object that the rest of the call reads, so that no function
-of it takes a dozen loose arguments, and so that FSDP1's one-call form (``auto_wrap_policy``,
-``sharding_strategy``) can hand the same options to every unit it makes.
+"""What ``zero.shard`` is told, in one object: ``Options``, frozen, read by the rest of the call,
+and handed as it is to every unit FSDP1's one-call form (``auto_wrap_policy``) makes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""The policies ``zero.shard`` takes: each one decision about the mechanism, in one object.
+"""The policies ``zero.shard`` takes by name: ``MixedPrecision`` and the layouts (``LAYOUTS``).
 
-The mechanism (``zero/core``) reads a policy; it never branches on where it came from. Today:
-
-- ``MixedPrecision``: the dtypes of computation and of the gradient reduction (below);
-- a layout: which rank holds which element of a unit (``layout="flat" | "rows" | "whole"``,
-  ``LAYOUTS`` below; ``zero/core/flat.py``'s note is the interface);
-- a communication policy: how a unit's flat buffers cross the ranks (``comm_policy=``;
-  ``zero/comm/flat_collectives.py`` is the default and the interface to imitate).
-
-Mixed precision with FSDP2's semantics (``MixedPrecisionPolicy``).
-
-The optimizer keeps fp32 master weights in the shard. A unit's shard is cast to
-``param_dtype`` *before* its all-gather (half the bytes on the wire), forward and backward
-compute in ``param_dtype``, and the flat gradient is cast to ``reduce_dtype`` *before* the
-reduce-scatter, so the sum over ranks happens in that precision; the reduced shard is then
-stored in the master dtype. Floating-point inputs of every unit's forward are cast to
-``param_dtype``. With mixed-precision Adam this is the ZeRO paper's K = 12 setting: 2 bytes of
-parameters and 2 of gradients per parameter for compute, 12 bytes of fp32 optimizer state.
+``MixedPrecision`` is FSDP2's ``MixedPrecisionPolicy``: the shard is cast to ``param_dtype``
+*before* its all-gather, compute runs in it, and the gradient is cast to ``reduce_dtype``
+*before* the reduce-scatter; the fp32 shard stays the optimizer's master copy. With
+mixed-precision Adam that is the ZeRO paper's K = 12 (notes/18-edge-cases.md, "Mixed
+precision").
 """
 
 from __future__ import annotations

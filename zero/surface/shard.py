@@ -8,11 +8,10 @@ module's parameters that no unit below it owns yet::
     zero.shard(model, stage=3)   # the root: embeddings, final norm, head
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding
 
-A call goes in four steps: the ranks' groups and the root's context (``_context``); the local
-checks (``zero/surface/claim.py``), run on every rank before the first collective, the ranks
-agreeing on the outcome (``comm.raising_together``): a mistake on one rank raises on all of
-them, none hangs; the ranks agree on the model and its values (``zero/core/same_model.py``);
-then the units are made (``_make_units``) and hooked (``_install``).
+A call goes in four steps: the groups and the root's context (``_context``); the local checks
+(``claim.py``) inside ``comm.raising_together``, so a mistake on one rank raises on all; the
+ranks agree on the model and its values (``zero/core/same_model.py``); the units are made
+(``_make_units``) and hooked (``_install``).
 """
 
 from __future__ import annotations
@@ -73,91 +72,54 @@ def shard(
     """Shard ``module``'s parameters across the ranks of ``group`` as one unit.
 
     Args:
-        module: the module; its sub-modules already sharded stay their own units. A list of
-            modules makes one unit of all of them (FSDP2's ``fully_shard([a, b])``): an
-            embedding and the head tied to it, say; the unit is gathered from the first of
-            them to run forward until all have run.
-        stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters; the default). All
-            units of one model use one stage.
+        module: the module; sub-modules already sharded stay their own units. A list makes
+            one unit of all (FSDP2's ``fully_shard([a, b])``: an embedding and its tied head).
+        stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters; the default), one
+            for all units of a model.
         group: the process group (default: the world).
-        mesh: instead of ``group``, a ``DeviceMesh`` as FSDP2's ``fully_shard`` takes it: 1-D,
-            shard over it; 2-D with dims (replicate, shard), HSDP: shard within each row of
-            ranks (a node, say), keep one such copy per row, and average the reduced gradient
-            shards across rows (notes/14-hybrid.md).
+        mesh: instead of ``group``, FSDP2's ``DeviceMesh``: 1-D, shard over it; 2-D
+            (replicate, shard), HSDP (notes/14-hybrid.md).
         mp_policy: mixed precision (``zero.MixedPrecision``); None computes in the
             parameters' dtype.
-        reshard_after_forward: stage 3 only. Free the parameters after forward and gather
-            them again for backward (True), or keep them until the unit's backward is done
-            (False: FSDP2's ZeRO-2-like mode). None: False for the root, True otherwise.
+        reshard_after_forward: stage 3 only: free the parameters after forward (True) or
+            keep them for backward (False). None: False for the root, True otherwise.
         device: where the shards live when ``module`` is on the meta device (default: the
-            current accelerator for an accelerator backend, else the CPU); each rank then
-            allocates only its own shards, and ``zero.init_parameters`` fills them.
-        broadcast_buffers: the root only. Like DDP, copy rank 0's buffers (BatchNorm's
-            running statistics) to every rank before each forward. False (FSDP2's way):
-            each rank keeps its own buffers, which drift apart if forward updates them.
-        ignored_params: parameters to leave as they are: whole on every rank, not sharded,
-            their gradients not reduced (FSDP2's ``ignored_params``); keeping them in sync
-            is the caller's business. ``zero.clip_grad_norm_`` counts them once.
-        secondary_group: stage 3 only, ZeRO++'s hpZ: the ranks of this rank's node. After
-            forward each rank keeps its slice of the unit's parameters over the node (a
-            secondary shard, P / ranks-per-node), and backward gathers them within the node
-            only; the gradient is still reduced over ``group``.
-        comm_policy: how the unit's flat buffers cross the ranks: a ``CommPolicy``
-            (``zero/api.py``), such as ``zero/comm/flat_collectives.py``'s ``FlatCollectives``
-            (None: that one, cast then in place) or ZeRO++'s ``zero.QuantizedWeights()``.
-        sync_module_states: copy rank 0's values of the unit's parameters and buffers to
-            every rank first (FSDP1's name; DDP always does): for weights loaded on rank 0
-            only. Otherwise every rank must hold the same values already: a fingerprint
-            of them is compared, and ranks that differ raise (a model that is half
-            random init trains silently otherwise).
-        layout: which rank holds which element (``zero.surface.policies.LAYOUTS``): "flat" (the
-            default: the unit's parameters end to end, cut in N equal slices; each parameter
-            shows this rank's 1-D piece), "rows" (FSDP2's: each parameter cut along dim 0,
-            shown as a ``Shard(0)`` DTensor of its full shape), or "whole" (each parameter
-            whole on one rank, for optimizers that read whole tensors: Adafactor, Muon). All
-            units of one model use one layout. notes/16-layouts.md compares them.
-        auto_wrap_policy: one of ``torch.distributed.fsdp.wrap``'s policies
-            (``ModuleWrapPolicy({Block})``, ``size_based_auto_wrap_policy``...): called once on
-            the whole model, make a unit of every module FSDP1 would wrap, bottom-up, then of
-            the root (``zero/features/wrap.py``).
+            backend's device); ``zero.init_parameters`` then fills them.
+        broadcast_buffers: the root only: copy rank 0's buffers to every rank before each
+            forward, as DDP. False (FSDP2's): each rank keeps its own.
+        ignored_params: parameters left whole on every rank, their gradients not reduced
+            (FSDP2's); keeping them in sync is the caller's business.
+        secondary_group: stage 3 only, ZeRO++'s hpZ: the ranks of this rank's node, over
+            which each rank keeps its slice after forward, for backward to gather from.
+        comm_policy: a ``CommPolicy`` (``zero/api.py``; None: ``FlatCollectives``), such as
+            ZeRO++'s ``zero.QuantizedWeights()``.
+        sync_module_states: copy rank 0's parameters and buffers to every rank first (FSDP1's
+            name). Otherwise ranks whose values differ raise.
+        layout: "flat" (default), "rows" (FSDP2's ``Shard(0)`` DTensors), "whole" (each
+            parameter whole on one rank: Adafactor, Muon) or a ``Layout`` class; one for all
+            units of a model (notes/16-layouts.md).
+        auto_wrap_policy: one of ``torch.distributed.fsdp.wrap``'s policies: a unit of every
+            module FSDP1 would wrap, bottom-up, then the root (``zero/features/wrap.py``).
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
-            (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 within each row
-            of a 2-D ``mesh``), NO_SHARD (DDP: every rank holds everything, gradients averaged).
-        offload_policy: ``zero.CPUOffload()`` (or torch's ``CPUOffloadPolicy``): the shards,
-            their gradients and the optimizer state live on the host, and ``opt.step()`` runs
-            there (ZeRO-Offload; ``zero/features/offload.py``); ``zero.DiskOffload(directory)``:
-            and the optimizer state in files, one unit's at a time in memory (ZeRO-Infinity's
-            disk tier; ``zero/features/disk_offload.py``). None: on the compute device.
-        prefetch: how many units to gather ahead of the one computing, in forward (the next
-            ones to run) and in backward (the ones before it); 1 by default, as FSDP2
-            (``zero/core/schedule.py``).
-        schedule: instead of ``prefetch``, a ``Schedule`` (``zero/api.py``): which units to
-            gather while each one computes.
-        backend: the ``Backend`` every collective goes through (``zero/api.py``; default
-            ``zero.comm.backend.TorchBackend()``, ``torch.distributed`` itself):
-            ``zero.features.logging_backend.LoggingBackend(path)`` writes each one to a file.
-        reduce_scatter_depth: stages 2/3, how many reduce-scatters may be in flight (FSDP2's
-            ``set_reduce_scatter_max_input_buffers``): each runs under the backward of the
-            units after it, and keeps its full gradient alive until it ends; 1 by default,
-            FSDP2's (``zero/core/reductions.py``).
-        shard_placement_fn: FSDP2's: called with each parameter, returns ``Shard(dim)`` to
-            cut it along ``dim`` instead of 0 (None: dim 0); layout "rows" only, and the dim
-            must divide evenly (notes/16-layouts.md).
+            (3), SHARD_GRAD_OP (2), HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (3 / 2 in each row of a
+            2-D ``mesh``), NO_SHARD (DDP).
+        offload_policy: ``zero.CPUOffload()`` (or torch's ``CPUOffloadPolicy``): shards,
+            gradients, optimizer state and step on the host; ``zero.DiskOffload(directory)``:
+            the optimizer state in files too. None: on the compute device.
+        prefetch: how many units to gather ahead of the one computing (1, as FSDP2).
+        schedule: instead of ``prefetch``, a ``Schedule`` (``zero/api.py``).
+        backend: the ``Backend`` every collective goes through (default ``TorchBackend()``;
+            ``zero.features.logging_backend.LoggingBackend(path)`` logs each).
+        reduce_scatter_depth: stages 2/3, how many reduce-scatters may be in flight (1, as
+            FSDP2's ``set_reduce_scatter_max_input_buffers``).
+        shard_placement_fn: FSDP2's: returns ``Shard(dim)`` for a parameter (layout "rows";
+            the dim must divide evenly).
 
-    A parameter that already is a DTensor on a tensor-parallel mesh is sharded as FSDP2
-    shards it: its local tensor by rows over ``mesh`` (the data-parallel mesh, cut from the
-    same mesh as the tensor-parallel one), shown as a DTensor on both (layout "rows" only;
-    ``zero/core/placement.py``).
-
-    ``prefetch``, ``schedule``, ``backend`` and ``reduce_scatter_depth`` are the root's to give
-    (the last call, on the whole model): there they reach every unit under it, which share one
-    context, as FSDP2's units share their root's. A unit below given one that differs from the
-    root's is refused when the root is sharded.
-
-    Frozen parameters (``requires_grad=False`` at this call) go into a second unit beside the
-    trainable ones, with no gradient to form or reduce (a LoRA model's base weights); both
-    are gathered together, and at stage 3 the frozen one is freed once the gradient of the
-    module's input no longer needs it (``units_on``; notes/04-stage2.md).
+    A DTensor parameter on a tensor-parallel mesh is sharded as FSDP2 does (layout "rows";
+    ``zero/core/placement.py``). ``prefetch``, ``schedule``, ``backend`` and
+    ``reduce_scatter_depth`` are the root's to give: a unit below given others is refused
+    (notes/15, "One context per root"). Frozen parameters go into a second unit beside the
+    trainable ones (``units_on``: one unit, or two; notes/18-edge-cases.md).
 
     Returns:
         ``module``, whose parameters are now this rank's pieces (same names). Build the
@@ -228,8 +190,7 @@ def _shard(modules: list[nn.Module], o: Options, leave: frozenset) -> None:
 
 
 def _context(o: Options):
-    """The root's comm context for this call's units, and the groups: (context, shard group,
-    replicate group or None, the group of every rank)."""
+    """(context, shard group, replicate group or None, the group of every rank)."""
     if o.backend is not None:  # (checked first: the ranks agree through it)
         api.check(o.backend, api.Backend, "backend")
     ctx = CommContext(o.backend)  # the units of this call, and later every unit under them
@@ -289,8 +250,7 @@ def _agree_on_the_model(modules, names, params, stage, mp_policy, layout, offloa
 
 def _make_units(modules, params, locations, stage, mp_policy, layout, offload, device,
                 mesh_info, o: Options, root) -> tuple[list[Unit], list[list]]:
-    """One unit of the trainable parameters, and one of the frozen ones beside it: no
-    gradient is ever formed, reduced or stored for those (a LoRA model's base weights)."""
+    """One unit of the trainable parameters, and one of the frozen ones (no gradient) beside it."""
     groups = [[i for i, p in enumerate(params) if p.requires_grad == trainable]
               for trainable in (True, False)]
     groups = [g for g in groups if g] or [[]]
@@ -320,9 +280,7 @@ def _make_units(modules, params, locations, stage, mp_policy, layout, offload, d
 
 
 def _composed(params, o: Options) -> bool:
-    """Whether a parameter needs more than dim-0 rows of plain values: a tensor-parallel
-    DTensor or a tensor subclass (FSDP2's all-gather extension), or a ``shard_placement_fn``
-    choosing ``Shard(d)``. A plain model's units are built without that code."""
+    """Whether a parameter is a DTensor or a tensor subclass, or ``Shard(d)`` is asked for."""
     return o.shard_placement_fn is not None or any(
         type(p) not in (torch.Tensor, nn.Parameter) for p in params)
 
@@ -386,9 +344,8 @@ def _groups(group, mesh, ctx):
 
 
 def _mesh_info(group, replicate_group, all_group, o: Options, ctx, dtensors_on):
-    """Who the unit talks to: its group, HSDP's replicas, hpZ's node (``zero/core/config.py``).
-    DTensor parameters (layout "rows") are placed on the user's mesh, or on a 1-D one over
-    the group, made here once for the unit (``dtensors_on``: the shards' device, else False)."""
+    """Who the unit talks to: its group, HSDP's replicas, hpZ's node (``zero/core/config.py``);
+    DTensors go on the user's mesh or a 1-D one made here (``dtensors_on``: their device)."""
     placement = o.mesh
     if o.mesh is None:  # (making a mesh moves no data: torch's own, notes/15)
         placement = DeviceMesh.from_group(group or ctx.backend.world(), dtensors_on.type) \
