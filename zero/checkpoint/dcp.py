@@ -4,17 +4,10 @@
     zero.load("ckpt", model, opt)     # at any world size, into any stage (loading.py)
     python -m zero export ckpt model.pt   # one file for nn.Module.load_state_dict
 
-What goes to disk is what an FSDP2 user writes with ``dcp.save({"model": msd, "optim": osd})``
-after ``msd, osd = get_state_dict(model, opt)``: one entry per original parameter, by name and
-full shape, each rank holding FSDP2's dim-0 chunk of it (``zero/checkpoint/fsdp2_layout.py``); the optimizer
-state likewise, and its param groups by parameter name. Nothing in it depends on our flat
-layout, the world size or the stage, so DCP reshards on load by reading whichever bytes
-overlap each rank's chunk, and FSDP2 reads our checkpoints and we read theirs
-(notes/08-checkpoints.md: why, and what it costs). Conversion goes one unit at a time.
-
-Writes are atomic, one job at a time, and delete only what ``save`` made
-(``zero/checkpoint/directory.py``); reads run no code (``zero/checkpoint/safe_pickle.py``), and
-a bad checkpoint raises on every rank before a byte is read (``zero/checkpoint/loading.py``).
+On disk is what FSDP2's ``dcp.save({"model": msd, "optim": osd})`` writes after
+``get_state_dict``: one entry per parameter, by name and full shape, each rank holding its
+dim-0 chunk (``fsdp2_layout.py``), converted one unit at a time. Why, what it costs, and how
+versions (``directory.py``) and reads (``reader.py``) stay safe: notes/08-checkpoints.md.
 """
 
 from __future__ import annotations
@@ -54,13 +47,11 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     """Save ``model`` (and ``optimizer``) as a new version under ``path``; call on every rank.
 
     Args:
-        path: the checkpoint directory, on a file system every rank sees; one job at a
-            time saves into it.
+        path: the checkpoint directory, seen by every rank; one job at a time saves into it.
         model: a model sharded with ``zero.shard`` (any stage).
         optimizer: its optimizer, or None for the parameters only.
-        keep: how many complete versions to keep, the new one included (torchtitan's and
-            DeepSpeed's keep-last-K). Older versions that ``save`` made are deleted once
-            ``latest`` names the new one; nothing else in ``path`` ever is.
+        keep: how many complete versions to keep, the new one included (keep-last-K); older
+            ones ``save`` made go once ``latest`` names the new one, nothing else in ``path``.
 
     Returns:
         The DCP directory written (``path/v000003``); ``path/latest`` now points at it.
@@ -125,10 +116,8 @@ def check_optimizer(model: nn.Module, optimizer) -> None:
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """What ``save`` writes: ``{"model": ..., "optim": ...}`` as FSDP2's ``get_state_dict`` returns.
-
-    Collective (one all-gather per unit and tensor kind); every rank gets its own chunks.
-    """
+    """What ``save`` writes: ``{"model": ..., "optim": ...}`` as FSDP2's ``get_state_dict`` returns
+    (collective: one all-gather per unit and tensor kind)."""
     units = units_of(model)
     placement.refuse(units, "zero.save", PLACED_FIX, any_dim=True)
     state = {"model": _model_state(model, units)}
@@ -139,24 +128,15 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
 
 def entries_of(model: nn.Module) -> dict:
-    """The model's state-dict entries (our pieces, buffers), under every name.
-
-    The model's own state-dict hooks run as they would on the unsharded model: they see each
-    parameter in its full shape (an empty stand-in on the meta device for a 1-D piece; the
-    DTensor itself for layout "rows"), so a hook that reads shapes works. A hook that makes
-    new tensors of them (torchtitan's fused-QKV hook splits ``wqkv`` into ``wq``/``wk``/``wv``)
-    is refused."""
+    """The model's state-dict entries (our pieces, buffers), under every name. Its state-dict
+    hooks see each parameter in its full shape (a meta stand-in for a 1-D piece); a hook that
+    makes new tensors of them (torchtitan's fused-QKV split) is refused."""
     units = units_of(model)
     stand_in = {}  # id(stand-in) -> the piece it stands for
     for unit in units:
-        shown = []
-        for p, shape in zip(unit.params, unit.layout.shapes):
-            if type(p.data) is torch.Tensor:  # a 1-D piece (a DTensor is shown as it is)
-                t = torch.empty(shape, dtype=p.dtype, device="meta")
-                stand_in[id(t)] = p
-                shown.append(t)
-            else:
-                shown.append(p)
+        shown = [torch.empty(shape, dtype=p.dtype, device="meta") if type(p.data) is torch.Tensor
+                 else p for p, shape in zip(unit.params, unit.layout.shapes)]  # (DTensor: as is)
+        stand_in.update({id(t): p for t, p in zip(shown, unit.params) if t is not p})
         unit.use(shown)
     try:
         with state_dict_access():
@@ -165,20 +145,16 @@ def entries_of(model: nn.Module) -> dict:
         for unit in units:
             unit.use_sharded_params()
     known = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    out = {}
-    for key, t in entries.items():
-        if id(t) in stand_in:
-            out[key] = stand_in[id(t)]
-        elif not torch.is_tensor(t) or id(t) in known:
-            out[key] = t
-        else:
-            raise ValueError(
-                f"a state-dict hook of the model makes {key!r} out of its parameters (a fused "
-                "parameter split for saving, say): zero.save and zero.load move each parameter "
-                "as the model holds it, so the hook's tensor would be saved, or loaded, in "
-                "vain. Shard with layout='rows' (zero.fully_shard) and save with torch's DCP "
-                "state-dict functions (or torchtitan's CheckpointManager), which run the hook")
-    return out
+    made = [k for k, t in entries.items()
+            if id(t) not in stand_in and torch.is_tensor(t) and id(t) not in known]
+    if made:
+        raise ValueError(
+            f"a state-dict hook of the model makes {made[0]!r} out of its parameters (a fused "
+            "parameter split for saving, say): zero.save and zero.load move each parameter "
+            "as the model holds it, so the hook's tensor would be saved, or loaded, in "
+            "vain. Shard with layout='rows' (zero.fully_shard) and save with torch's DCP "
+            "state-dict functions (or torchtitan's CheckpointManager), which run the hook")
+    return {key: stand_in.get(id(t), t) for key, t in entries.items()}
 
 
 def _model_state(model: nn.Module, units) -> dict:
@@ -195,8 +171,7 @@ def _model_state(model: nn.Module, units) -> dict:
 
 @contextlib.contextmanager
 def resident(optimizer):
-    """All of ``optimizer``'s state in memory for the duration: each offload policy of its
-    units is asked for it (disk offload reads its files, and writes them back after)."""
+    """All of ``optimizer``'s state in memory for the duration (asked of each offload policy)."""
     policies: dict = {}  # policy -> its units, in the optimizer's order
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -232,9 +207,7 @@ def _optim_state(model: nn.Module, optimizer, units) -> dict:
 
 
 def _elementwise(unit, optimizer) -> dict[str, list[int]]:
-    """Optimizer state keys shaped like the parameter's piece (exp_avg, not step): which params.
-    Every rank must answer alike (each key is one collective): with layout "whole" only a
-    parameter's owner has its state, so there the ranks' answers are merged."""
+    """{state key shaped like the piece (exp_avg, not step): params}, merged over the ranks."""
     found: dict[str, list[int]] = {}
     for i, p in enumerate(unit.params):
         for key, v in optimizer.state.get(p, {}).items():
@@ -273,11 +246,9 @@ def _on_rank0(ctx: CommContext, what: str, fn: Callable, *args):
 def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     """Consolidate a checkpoint's model into one ``torch.save`` file of ``{name: full tensor}``.
 
-    Runs in one process, without a process group, and holds the whole model in memory (that is
-    the point). Reads run no code, like ``load``, and only the version ``latest`` named when it
-    started; the file written holds only tensors (and plain values), so it loads with
-    ``torch.load(out_file, weights_only=True)``, and a plain unsharded model loads it with
-    ``load_state_dict``. It is written atomically, like the checkpoint itself.
+    In one process, no process group, the whole model in memory; read as ``load`` reads (no
+    code run; the version ``latest`` named at the start); written atomically, tensors only
+    (``torch.load(out_file, weights_only=True)``, then ``load_state_dict``).
     """
     ckpt = ckdir.resolve(path)
     ckdir.check_out_file(out_file, path, ckpt)

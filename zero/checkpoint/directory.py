@@ -1,20 +1,11 @@
 """The checkpoint directory: versions, the atomic flip of ``latest``, keep-last-K, one writer.
 
-[Note: atomic commit]
-    ckpt/v000002/            one complete DCP checkpoint: .metadata + one file per rank, and
-                             .zero-version, the mark that zero.save made it (and may delete it)
-    ckpt/v000003/            being written, or left behind by a crash: nothing points at it
-    ckpt/latest -> v000003   a relative symlink, flipped by one os.replace once all is written
-    ckpt/.zero-lock          while a save runs: locked by it, naming the job (one writer)
-DCP writes ``.metadata`` only after every rank has written its data, and we flip ``latest``
-only after that, so a crash at any moment leaves ``latest`` at a complete checkpoint. Then
-the older versions go, the newest ``keep`` complete ones staying; only directories that hold
-our mark are ever deleted, never a ``v1/`` of the user's own. A save that fails deletes its
-own version at once (a full disk must not stay full of failed attempts).
+    ckpt/v000002/  ckpt/v000003/  ckpt/latest -> v000003  ckpt/.zero-lock
 
-``load`` reads ``latest`` once (``resolve``), and from then on only that version's directory:
-a save that flips ``latest`` during a load cannot mix two checkpoints. A reader that needs
-the previous version for longer than one save takes: ``keep=2``.
+Each version is a complete DCP checkpoint marked as ours (``.zero-version``: only those are
+ever deleted); ``latest`` is flipped by one ``os.replace`` once DCP has written everything,
+so a crash at any moment leaves it at a complete checkpoint. ``load`` resolves ``latest``
+once and reads only that version. notes/08-checkpoints.md, "Versions", tells the rest.
 """
 
 from __future__ import annotations
@@ -31,13 +22,9 @@ LOCK = ".zero-lock"  # in the checkpoint directory, while a save runs
 
 
 def lock(path: str) -> int:
-    """Hold ``path``'s lock for one save (an open file, locked); refuse if a job holds it.
-
-    ``flock`` is let go by the kernel when its holder dies, so a crash leaves no stale lock;
-    the file says who holds it. Released by ``unlock``, which removes the file first: a job
-    that opened the old file before that sees, once it holds the lock, that it is not the
-    file at ``path`` any more, and tries again.
-    """
+    """Hold ``path``'s lock for one save (an ``flock``ed file naming its holder, let go by the
+    kernel if it dies); refuse if a job holds it. ``unlock`` removes the file first: a job
+    that opened the old file then finds, once locked, it is not the one at ``path``: again."""
     _refuse_plain_dcp(path)
     os.makedirs(path, exist_ok=True)
     file = os.path.join(path, LOCK)
@@ -95,8 +82,7 @@ def next_version(path: str) -> str:
 
 
 def commit(path: str, version: str, keep: int = 1) -> None:
-    """Flip ``latest`` to ``version`` atomically, then delete our older versions but the
-    newest ``keep`` complete ones (``version`` among them), and any crashed attempt."""
+    """Flip ``latest`` to ``version``, then delete our versions but the newest ``keep`` complete."""
     tmp = os.path.join(path, "latest.tmp")
     if os.path.lexists(tmp):
         os.remove(tmp)
@@ -126,8 +112,7 @@ def _ours(path: str) -> list[str]:
 
 
 def delete_version(path: str, version: str) -> None:
-    """Delete one of our versions: renamed out of sight first (atomic), so that a reader finds
-    the whole version or none of it, never a directory with some files gone."""
+    """Delete one of our versions, renamed out of sight first: a reader finds all of it or none."""
     gone = os.path.join(path, f".deleting.{version}.{os.getpid()}")
     try:
         os.rename(os.path.join(path, version), gone)
@@ -147,8 +132,7 @@ def discard(path: str, version: str) -> None:
 
 
 def resolve(path: str) -> str:
-    """The DCP directory to read: ``path`` itself, or the version ``path/latest`` names,
-    resolved once (``load`` reads only from what this returns)."""
+    """The DCP directory to read: ``path`` itself, or the version ``path/latest`` names, once."""
     if os.path.lexists(os.path.join(path, ".metadata")):
         return path
     latest = os.path.join(path, "latest")
@@ -163,8 +147,7 @@ def resolve(path: str) -> str:
 
 
 def check_out_file(out_file: str, path: str, ckpt: str) -> None:
-    """Refuse, before ``export`` reads anything, an ``out_file`` that would replace a file of
-    the checkpoint (a data file, ``latest``, a version) or that cannot be written as one file."""
+    """Refuse an ``out_file`` that would replace a file of the checkpoint, or is a directory."""
     where = os.path.realpath(os.path.dirname(os.path.abspath(out_file)))
     name = os.path.basename(out_file)
     inside = where == os.path.realpath(ckpt)

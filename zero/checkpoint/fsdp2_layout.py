@@ -1,17 +1,12 @@
 """FSDP2's per-parameter layout, and moving one unit's flat shard to it and back.
 
 [Note: two layouts of the same numbers]
-- Ours (``zero/core/flat.py``): a unit's parameters end to end in one padded buffer, cut into N
-  equal slices; rank r holds elements ``[r * S, (r + 1) * S)`` of the *unit*.
-- FSDP2's (``fully_shard``): each *parameter* cut along dim 0 like ``torch.chunk``: with
-  ``c = ceil(d0 / N)`` rows a chunk, rank r holds rows ``[r * c, (r + 1) * c)``, clipped to
-  ``d0``, so the last ranks may hold fewer rows or none. It is a ``DTensor`` with ``Shard(0)``.
-Rows are contiguous in a row-major tensor, so each rank's part is a contiguous run of a
-parameter's flattened elements in both layouts; only the boundaries differ. Moving from one
-to the other therefore needs other ranks' data. Here that is done one unit at a time with one
-all-gather of the unit (the same transient buffer stage 3 gathers for its forward), keeping
-the 1/N that this rank needs. A 0-d parameter has no dim 0: FSDP2 cannot shard it, and we
-store it whole (replicated) on every rank.
+Ours (``zero/core/flat.py``) cuts a *unit*'s padded buffer into N equal slices; FSDP2's cuts
+each *parameter* along dim 0 like ``torch.chunk`` (``c = ceil(d0 / N)`` rows a rank, the last
+ranks fewer or none), a ``Shard(0)`` DTensor. Both give a rank contiguous runs; only the
+boundaries differ, so moving between them takes one all-gather of the unit. A 0-d parameter
+is stored whole on every rank. notes/08-checkpoints.md, "Moving one unit between the two
+layouts".
 """
 
 from __future__ import annotations
@@ -57,17 +52,13 @@ def to_dtensor(chunk: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> torc
 
 
 def mesh_of(unit) -> DeviceMesh:
-    """A 1-D mesh over the unit's process group (no new communicator is created; making a
-    mesh moves no data: notes/15)."""
+    """A 1-D mesh over the unit's process group (no new communicator: notes/15)."""
     group = unit.group or unit.root.context.backend.world()
     return DeviceMesh.from_group(group, unit.sharded.device.type)
 
 
 def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
-    """(S,) a unit-shaped shard on each rank -> this rank's FSDP2 chunk of every parameter.
-
-    ``shard`` is ``unit.sharded`` or anything laid out like it (an optimizer state).
-    """
+    """(S,) ``unit.sharded`` (or laid out like it) -> this rank's FSDP2 chunk of each param."""
     layout = unit.layout
     if layout.padded_numel == 0:
         return []
@@ -83,11 +74,8 @@ def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
 
 
 def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
-    """This rank's FSDP2 chunk of every parameter (None: zeros) -> (S,) this rank's shard.
-
-    Every rank contributes its chunks, each padded to ``Chunk.padded``, to one all-gather;
-    then each piece of this rank's shard is copied out of the chunks that overlap it.
-    """
+    """This rank's FSDP2 chunk of every parameter (None: zeros) -> (S,) this rank's shard:
+    every rank's chunks, each padded to ``Chunk.padded``, in one all-gather, then copied out."""
     layout, n = unit.layout, unit.world_size
     mine = [chunk_of(s, n, unit.rank) for s in layout.shapes]
     seg = [0]  # where each parameter's padded chunk sits in a rank's contribution

@@ -2,19 +2,10 @@
 
     zero.load("ckpt", model, opt)     # at any world size, into any stage, or FSDP2's checkpoint
 
-Three steps, each on every rank:
-1. Check, then agree (``_agreed``): resolve ``latest`` once to its version, read and check
-   ``.metadata``, the fit to the model and the files, open this rank's files and verify every
-   record it will read (``zero/checkpoint/reader.py``); then one small all-gather, so that a
-   bad checkpoint raises on every rank and none waits in a collective.
-2. The small things, whole: buffers, the optimizer's param groups and its ``step``s; the
-   param groups are matched to ours before anything is written.
-3. The units, one at a time: DCP fills this rank's FSDP2 chunk of each of the unit's
-   parameters and elementwise optimizer state, into buffers of the chunk's size, and
-   ``chunks_to_flat`` turns them into our shard (one all-gather of the unit). So no rank
-   holds more than its own shards and one unit in full, whatever the model's size; the
-   optimizer's new state is views into one shard-sized buffer per unit and key.
-The optimizer takes its new state last, all at once.
+Every rank checks everything on its own, then all agree in one small all-gather (``_agreed``:
+a bad checkpoint raises on every rank, none waits in a collective); the small things load
+whole; then each unit's chunks go through ``chunks_to_flat``, so no rank holds more than its
+shards and one unit. notes/08-checkpoints.md, "Moving one unit" and "Loading what is not there".
 """
 
 from __future__ import annotations
@@ -54,12 +45,10 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         The DCP directory read (``path/v000003``).
 
     Raises (on every rank, whichever rank found it):
-        FileNotFoundError: no checkpoint at ``path``, or the version was deleted as it was read.
+        FileNotFoundError: no checkpoint at ``path``, or its version deleted as it was read.
         UntrustedCheckpointError: it holds a pickle that would run code (it was not run).
-        RuntimeError: the checkpoint is corrupt or truncated (names the keys affected), or
-            the ranks read different checkpoints.
-        ValueError: it was saved from another model (names the keys and shapes that differ),
-            or the optimizer does not hold the model's parameters.
+        RuntimeError: corrupt or truncated (naming the keys), or the ranks read different ones.
+        ValueError: another model's (naming keys and shapes), or an optimizer not the model's.
     """
     units = units_of(model)
     placement.refuse(units, "zero.load", PLACED_FIX, any_dim=True)
@@ -145,9 +134,8 @@ _ERRORS = {e.__name__: e for e in (FileNotFoundError, ValueError, RuntimeError,
 
 
 def _agreed(ctx: CommContext, path: str, checks: Callable, *args):
-    """Run ``checks(*args)`` on every rank, then agree in one small all-gather, before any
-    collective that moves data: every rank returns, or every rank raises (its own error, else
-    the first failing rank's). Ranks can see different files: a node-local disk, a half copy."""
+    """``checks(*args)``, then one small all-gather: every rank returns, or every rank raises
+    (its own error, else the first failing rank's): ranks can see different files."""
     mine = fingerprint = value = None
     try:
         value, fingerprint = checks(*args)
@@ -175,8 +163,7 @@ def _agreed(ctx: CommContext, path: str, checks: Callable, *args):
 
 
 def _rest(meta, entries, elementwise, with_optim: bool) -> dict:
-    """What is loaded whole, first: buffers and unsharded parameters, and of the optimizer
-    all but its elementwise state (param groups, ``step``). Empty tensors, None for bytes."""
+    """The template of what loads whole: buffers, unsharded params, non-elementwise optim."""
     def wanted(path: tuple) -> bool:
         if path[0] == "model":
             return not registry.is_piece(entries[path[1]])
@@ -186,9 +173,7 @@ def _rest(meta, entries, elementwise, with_optim: bool) -> dict:
 
 
 def _load_units(found, meta, units, names, entries, elementwise: dict) -> dict:
-    """Each unit's chunks into its shard, then its elementwise state one key at a time (one
-    kind of chunk held at once). Returns the new state ``{param: {key: this rank's piece}}``
-    (views into one buffer per unit and key) and under None this rank's read failure, if any."""
+    """Each unit's shard, then its state key by key: ``{param: {key: piece}}``, None: a failure."""
     aliases: dict = {}  # every name of each piece (tied parameters have several)
     for k, t in entries.items():
         if registry.is_piece(t):
@@ -214,9 +199,7 @@ def _load_units(found, meta, units, names, entries, elementwise: dict) -> dict:
 
 
 def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
-    """(S,) this rank's shard of what ``paths(param)`` name (the unit's parameters, or one state
-    key of them): DCP reads this rank's FSDP2 chunk of each, alone (every record is verified: no
-    collective to plan it), then one all-gather of the unit turns the chunks into our shard."""
+    """(S,) this rank's shard of what ``paths(param)`` name: its verified chunks, read alone."""
     mesh = mesh_of(unit)
     template: dict = {}
     chunks: list = []
@@ -239,8 +222,7 @@ def _read_unit(found, meta, unit, paths, state: dict) -> torch.Tensor:
 
 
 def _raise_together(ctx: CommContext, ckpt: str, failure: str | None) -> None:
-    """After the units: every rank raises if one rank's read failed (its checks had passed:
-    a disk's read error). The units it had loaded hold what the other ranks sent."""
+    """After the units, every rank raises if one rank's read failed (a disk's read error)."""
     told = comm.all_gather_object(failure, ctx=ctx)
     if failed := [(r, f) for r, f in enumerate(told) if f]:
         raise RuntimeError(f"rank {failed[0][0]} could not read {ckpt} after checking it "
@@ -248,8 +230,7 @@ def _raise_together(ctx: CommContext, ckpt: str, failure: str | None) -> None:
 
 
 def _checked_optim(ckpt: str, saved: dict) -> list:
-    """The optimizer's param groups as DCP loaded them, refused by name unless each is a dict
-    of options with its ``params`` a list of parameter names."""
+    """The loaded param groups, refused unless each is a dict with ``params`` a list of names."""
     groups: Any = saved.get("param_groups")
     problems = [f"its param_groups are a {type(groups).__name__}, not a list of groups"]
     if isinstance(groups, list) and groups:

@@ -2,27 +2,21 @@
 only from the version they resolved.
 
 ``dcp.load`` with its defaults would, on every rank, unpickle ``.metadata`` again with plain
-``pickle`` and load the values it stored as bytes (an optimizer's ``lr``, ``betas``, its
-params' names) with ``torch.load(weights_only=False)``: either runs whatever code a crafted
-checkpoint holds. It opens every file by its path, at the moment it reads it, so a save that
-flips ``latest`` in between makes it read two checkpoints. And it trusts every byte: torch.save
-writes each record as a zip whose entries carry a CRC-32, but ``torch.load`` never checks it,
-so a flipped bit in a tensor loads as a wrong number. Here:
+``pickle`` and load the values it stored as bytes (``lr``, ``betas``, the params' names) with
+``torch.load(weights_only=False)``: either runs whatever code a crafted checkpoint holds. It
+opens every file by its path as it reads it, so a save that flips ``latest`` in between makes
+it read two checkpoints. And it trusts every byte: torch.save gives each zip entry a CRC-32
+that ``torch.load`` never checks, so a flipped bit in a tensor loads as a wrong number. Here:
 
-- ``Reader`` hands DCP the ``.metadata`` already read with the allow-list
-  (``zero/checkpoint/safe_pickle.py``) and checked (``zero/checkpoint/validate.py``); it opens
-  each data file of the resolved version once, a regular file (checked on the open file), and
-  DCP reads through those open files only: deleting the version afterwards changes nothing,
-  deleting it before fails by name. ``prepare`` checks every record a rank will read before
-  the first byte is loaded: the CRC-32 of each zip entry, its pickle (a dry run: nothing that
-  would make torch's unpickler hash without end), and that a tensor's record holds the dtype
-  and shape ``.metadata`` says (DCP would cast a float32 record into a float16 template);
-- ``Planner`` loads the values stored as bytes with ``torch.load(weights_only=True)``, and
-  refuses one nested past ``_DEPTH`` levels, sharing a part, or holding a tensor that views
-  more elements than its storage has (a stride-0 view of 2**34 elements is 4 bytes on disk,
-  64 GiB in the optimizer's first step);
-- tensors DCP already loads with ``weights_only=True``.
-``read`` runs ``dcp.load`` with both and turns its failures into one clear error.
+- ``Reader`` hands DCP the ``.metadata`` already read (``safe_pickle.py``) and checked
+  (``validate.py``), and opens each data file once, a regular file: deleting the version
+  afterwards changes nothing, before fails by name. ``prepare`` checks every record before a
+  byte is loaded: each zip entry's CRC-32, its pickle (a dry run: nothing that would make
+  torch's unpickler hash without end), its dtype and shape (DCP would cast a float32 record
+  into a float16 template);
+- ``Planner`` loads values stored as bytes with ``torch.load(weights_only=True)``, and refuses
+  one nested past ``_DEPTH`` levels, sharing a part, or viewing more elements than its storage
+  has (a stride-0 view of 2**34 elements is 4 bytes on disk, 64 GiB in the first step).
 """
 
 from __future__ import annotations
@@ -52,8 +46,7 @@ _DEPTH = 32  # a value stored as bytes: an option (a float, a tuple, a list of n
 
 
 class Reader(FileSystemReader):
-    """DCP's file reader over one version's files, each opened once and read only through
-    that open file; each record is verified before DCP reads it (``prepare``)."""
+    """DCP's file reader over one version's files, each opened once; records verified first."""
 
     def __init__(self, ckpt: str, metadata: Metadata):
         super().__init__(ckpt)
@@ -121,10 +114,7 @@ class Reader(FileSystemReader):
 
 
 def _check_tensor(window, infos, md: TensorStorageMetadata, offsets) -> None:
-    """The record holds one tensor of the chunk's dtype and shape, its storage all there.
-
-    ``map_location="meta"`` reads the record's pickle and none of its data.
-    """
+    """The record holds one tensor of the chunk's dtype and shape, its storage all there."""
     window.seek(0)
     t = torch.load(io.BufferedReader(window), map_location="meta", weights_only=True)
     sizes = next(c.sizes for c in md.chunks if c.offsets == offsets)
@@ -150,8 +140,7 @@ class _OpenFiles(FileSystem):
 
 
 class _Window(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file, as a file of their own (``pread``:
-    the file's own position is left alone)."""
+    """Bytes ``[offset, offset + length)`` of an open file, as a file of their own (``pread``)."""
 
     def __init__(self, fd: int, offset: int, length: int):
         self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
@@ -223,8 +212,7 @@ def _unplain(obj) -> str | None:
 
 
 def _reason(e: Exception) -> str:
-    """What torch's weights-only loader refused, without its advice to load with
-    ``weights_only=False`` or to allow the global: here, neither is the fix."""
+    """What torch's weights-only loader refused, without its advice (here, not the fix)."""
     skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
     lines = [line.strip().split(". Please")[0] for line in str(e).splitlines()]
     return "; ".join(line for line in lines if line and not line.startswith(skip)) or type(e).__name__
@@ -232,9 +220,7 @@ def _reason(e: Exception) -> str:
 
 def template(meta: Metadata, wanted: Callable[[tuple], bool], start: dict | None = None,
              device=None) -> dict:
-    """What ``read`` fills: for each entry whose path is ``wanted``, an empty tensor of its
-    size and dtype, or None for a value stored as bytes (set into ``start``, if given). What
-    it allocates, ``zero/checkpoint/validate.py``'s checks have bounded by the files."""
+    """What ``read`` fills: an empty tensor per ``wanted`` entry (None: bytes), into ``start``."""
     out: dict = {} if start is None else start
     for key, md in meta.state_dict_metadata.items():
         path = meta.planner_data[key]
@@ -245,8 +231,7 @@ def template(meta: Metadata, wanted: Callable[[tuple], bool], start: dict | None
 
 
 def read_model(ckpt: str) -> dict:
-    """Every entry under "model" of the checkpoint ``ckpt``, whole, on the CPU (``export``):
-    checked as ``load`` checks, and read by this process alone."""
+    """Every "model" entry of ``ckpt``, whole, on the CPU (``export``), checked as ``load`` does."""
     meta, _ = validate.read_metadata(ckpt)
     tops = sorted({str(path[0]) for path in meta.planner_data.values()})
     if "model" not in tops:  # (an error, not an empty file)
@@ -266,13 +251,8 @@ def read_model(ckpt: str) -> dict:
 
 
 def read(template: dict, reader: Reader, alone: bool = False) -> None:
-    """``dcp.load`` into ``template`` through ``reader`` and ``Planner``; DCP's failures (it
-    gathers every rank's) become one error, the same on every rank.
-
-    ``alone``: this rank plans and reads by itself, with no collective (``export``, and a
-    unit's chunks, whose every record ``prepare`` has verified: the caller then tells the
-    other ranks whether it failed).
-    """
+    """``dcp.load`` into ``template`` through ``reader`` and ``Planner``; DCP's failures (every
+    rank's) as one error. ``alone``: no collective (``export``; a unit's verified chunks)."""
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

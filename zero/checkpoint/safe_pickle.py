@@ -1,46 +1,38 @@
 """Reading ``.metadata`` runs no code: it is unpickled against an allow-list of what DCP puts in it.
 
-A checkpoint is a file people download and share, and a pickle is a program: unpickling calls
-whatever the file names. torch's DCP (2.13) reads ``.metadata`` with plain ``pickle.load``
-(``FileSystemReader.read_metadata``), so a crafted one runs its code inside ``dcp.load``, on
-every rank, before anything is checked. Here ``_Unpickler``'s ``find_class`` hands out only
-the objects in ``ALLOWED``, what DCP's metadata is made of; anything else raises
-``UntrustedCheckpointError``, naming it. The checkpoint's other pickles (the values stored as
-bytes) are read in ``zero/checkpoint/reader.py``; the trust model is in notes/08-checkpoints.md,
-"Trust".
+A pickle is a program: unpickling calls whatever the file names, and torch's DCP (2.13) reads
+``.metadata`` with plain ``pickle.load`` (``FileSystemReader.read_metadata``), so a crafted
+one runs its code inside ``dcp.load``, on every rank, before anything is checked. Here
+``_Unpickler.find_class`` hands out only ``ALLOWED``; anything else raises
+``UntrustedCheckpointError``, naming it. The trust model: notes/08-checkpoints.md, "Trust".
 
 [Note: why the allowed set is safe]
-A pickle can call code only through objects that ``find_class`` gives it (GLOBAL,
-STACK_GLOBAL, INST, OBJ, and the copyreg extension codes EXT1/2/4, which CPython resolves
-through ``find_class`` too) or through a persistent id (refused below). With those it can:
-- call one (REDUCE, NEWOBJ): each allowed class only stores its arguments (the dataclasses,
-  ``torch.Size``), looks them up (the enum, the layouts), or parses a string (the paths, which
-  are pure paths that never touch the file system); a dtype is not callable at all;
-- BUILD one: the only ``__setstate__`` is ``TensorProperties``', which assigns five fields and
-  maps an enum; otherwise BUILD updates the object's ``__dict__`` or calls ``setattr``,
-- and APPEND/SETITEM on one call its ``append``/``__setitem__``, which none of them has.
-So everything a pickle can reach is data or one of these harmless callables. One hole is
-left: BUILD on an object that is not new (an allowed class itself, an enum member) changes it
-for the whole process (a pickle can give ``StorageMeta`` a class attribute). ``load_metadata``
-checks that none of them changed, and refuses the file (undoing the change) if one did.
+A pickle calls code only through objects ``find_class`` gives it (GLOBAL, STACK_GLOBAL, INST,
+OBJ, and EXT1/2/4, which CPython resolves through ``find_class`` too) or a persistent id
+(refused). It can call one (REDUCE, NEWOBJ): each allowed class only stores its arguments,
+looks them up or parses a string (pure paths, which never touch the file system), and a dtype
+is not callable; BUILD one: the only ``__setstate__``, ``TensorProperties``', assigns five
+fields, else BUILD sets attributes; APPEND or SETITEM on one, which none has. So all a pickle
+reaches is data or these harmless callables. One hole is left: BUILD on an object that is not
+new (an allowed class, an enum member; ``StorageMeta`` can get a class attribute) changes it
+for the whole process; ``load_metadata`` undoes such a change and refuses the file.
 
 [Note: memory and time in proportion to the file]
 Running no code is not enough: a pickle of nine bytes can still ask for gigabytes, or for a
 computation that never ends, through the unpickler's own machinery.
-- The memo. The C unpickler keeps it in an array, grown to twice any index a PUT names and
-  zero-filled: ``LONG_BINPUT 2**31`` asks for 32 GiB (torch's ``dcp.load`` does this too).
-  Python's own pure-Python unpickler, ``pickle._Unpickler``, keeps it in a dict, one entry a
-  PUT; it is ours. It also reads a counted string (BINBYTES8) from what the file holds, where
-  the C one allocates the count first; both do for BYTEARRAY8, refused (DCP never writes one).
-- Hashing. Putting a key in a dict hashes it, and a tuple's hash walks all of it again each
-  time, in C, with no recursion limit: a tuple nested a hundred thousand deep crashes the
-  process, and a few dozen levels that each hold the one below twice (the memo shares them)
-  take 2**levels steps. So a key (a dict's, a set's, an enum value) must be what DCP's keys
-  are, small: a string or number, a short tuple of them (a path, a ``torch.Size``) or a
-  ``MetadataIndex`` of those; anything else is refused before it is hashed.
-Nothing else in an unpickler's work grows faster than the file: each opcode reads its own
-bytes and makes one object. What the objects say (sizes, paths) is checked by
-``zero/checkpoint/validate.py``, without printing them (a repr walks shared parts again too).
+- The memo: the C unpickler grows its array to twice any index a PUT names, zero-filled
+  (``LONG_BINPUT 2**31`` asks for 32 GiB; torch's ``dcp.load`` does this too), and allocates
+  a counted string (BINBYTES8) before reading it. Ours is the pure-Python
+  ``pickle._Unpickler``: a dict memo, strings read from what the file holds; BYTEARRAY8
+  (allocated first by both) is refused, DCP never writes one.
+- Hashing: a dict key is hashed, and a tuple's hash walks all of it each time, in C, with no
+  recursion limit: a tuple nested a hundred thousand deep crashes the process, and a few dozen
+  levels that each hold the one below twice (the memo shares them) take 2**levels steps. So a
+  key must be small, as DCP's are (a string or number, a short tuple of them, a
+  ``MetadataIndex``); anything else is refused before it is hashed.
+Nothing else grows faster than the file: each opcode reads its own bytes and makes one object.
+What the objects say is checked by ``validate.py``, without printing them (a repr walks shared
+parts again too).
 """
 
 from __future__ import annotations
@@ -87,11 +79,9 @@ def _windows_path(*parts: str) -> PureWindowsPath:
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 _DTYPES = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
-# What DCP's .metadata holds (torch 2.13), as (module, name) -> the object handed out. From
-# torch/distributed/checkpoint/metadata.py and filesystem.py, checked against the .metadata
-# written by zero.save and by FSDP2 (dcp.save of get_state_dict), AdamW and SGD
-# (tests/checkpoint/test_checkpoint_security.py). Containers, strings, numbers, bools and None need no
-# import: pickle has opcodes for them.
+# What DCP's .metadata holds (torch 2.13's checkpoint/metadata.py and filesystem.py, checked
+# against zero.save's and FSDP2's: tests/checkpoint/test_checkpoint_security.py), as
+# (module, name) -> the object handed out. Containers and scalars need no import.
 ALLOWED: dict[tuple[str, str], object] = {
     # the dataclasses a Metadata is made of
     **{("torch.distributed.checkpoint.metadata", name): getattr(md, name) for name in (
@@ -119,8 +109,7 @@ _ATOMS = (str, bytes, int, float, bool, type(None))
 
 
 def _small_key(obj) -> bool:
-    """Whether ``obj`` is a key like DCP's, cheap to hash (see the note): a walk of at most
-    ``_KEY_NODES`` parts, however the memo shares them."""
+    """Whether ``obj`` is a key like DCP's, cheap to hash: at most ``_KEY_NODES`` parts."""
     todo, left = [obj], _KEY_NODES
     while todo:
         o = todo.pop()
@@ -151,8 +140,7 @@ def _keys_checked(load, keys):
 
 
 class _Unpickler(pickle._Unpickler):
-    """The pure-Python unpickler (a dict memo), handing out only ``ALLOWED``, hashing only
-    small keys (see the notes)."""
+    """The pure-Python unpickler (a dict memo), handing out only ``ALLOWED``, small keys only."""
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     stack: list[Any]  # (the pure-Python unpickler's, which load() sets; typeshed omits it)
@@ -190,14 +178,10 @@ class _Opaque(dict):
     def __init__(self, *args, **kwargs):
         super().__init__()
 
-    def append(self, item):
+    def _ignored(self, *args):
         pass
 
-    def extend(self, items):
-        pass
-
-    def __setstate__(self, state):
-        pass
+    append = extend = __setstate__ = _ignored
 
 
 class _DryRun(_Unpickler):
@@ -243,12 +227,9 @@ def dry_run(data: bytes, where: str) -> None:
 
 
 def load_metadata(data: bytes, where: str):
-    """Unpickle ``data`` (the bytes of the file ``where``) with nothing but ``ALLOWED``.
-
-    Raises ``UntrustedCheckpointError`` for anything else, or pickle's own error for a file
-    that is not a pickle; what it returns, the caller still has to check
-    (``zero/checkpoint/validate.py``).
-    """
+    """Unpickle ``data`` (the file ``where``) with nothing but ``ALLOWED``, else raise
+    ``UntrustedCheckpointError`` (pickle's own error for a non-pickle); ``validate.py`` checks
+    what it returns."""
     before = [(o, dict(vars(o))) for o in _SHARED]
     try:
         return _Unpickler(io.BytesIO(data), where).load()

@@ -1,18 +1,14 @@
 """What is checked on disk before a byte of data is read: ``.metadata``, the fit, the files.
 
 Every check runs before any collective that moves data, and none allocates more than the
-files hold (``zero/checkpoint/safe_pickle.py``, "memory and time in proportion to the file"):
-
-- ``read_metadata``: ``.metadata`` unpickled against the allow-list, then checked for what
-  DCP relies on (``_malformed``): the right types; every key the join of its path; each
-  tensor's chunks inside it, disjoint and covering it; each chunk with a plain record of its
-  own, big enough for its elements, in a plain file name, no two records overlapping. So
-  what a load allocates is bounded by the files, and every element is written by the files.
-- ``check_fits``: the keys and shapes are the model's (not another model's).
-- ``check_files``: every data file is a regular file (a FIFO would block a reader forever),
-  and as long as ``.metadata`` says (not truncated).
-Messages describe what they found by type and by the strings DCP wrote, never by ``repr``
-of what a file built: a crafted object's repr can be as costly as its hash.
+files hold (``safe_pickle.py``'s second note). ``read_metadata`` checks ``.metadata`` for what
+DCP relies on (``_malformed``: the types; each key the join of its path; each tensor's chunks
+inside it, disjoint and covering it, each with a plain record of its own, big enough, in a
+plain file name, no two records overlapping), so what a load allocates is bounded by the files
+and every element is written by them; ``check_fits``, that it is this model's; ``check_files``,
+that each data file is a regular file (a FIFO would block a reader forever), not truncated.
+Messages never print a ``repr`` of what a file built: a crafted object's repr can be as costly
+as its hash.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ _PATH_PARTS = 64  # a key's path is a state dict's nesting: DCP's are a few leve
 
 
 def read_metadata(ckpt: str) -> tuple[Metadata, str]:
-    """``.metadata``, read without running code and checked for everything DCP relies on; and
-    a fingerprint of its bytes (ranks compare it: they must read the same checkpoint)."""
+    """``.metadata``, read without running code and checked; and a SHA-256 the ranks compare."""
     file = os.path.join(ckpt, ".metadata")
     with os.fdopen(open_regular(file, ckpt), "rb") as f:  # (no FIFO blocks us)
         data = f.read()
@@ -59,11 +54,9 @@ def read_metadata(ckpt: str) -> tuple[Metadata, str]:
 
 
 def open_regular(file: str, ckpt: str) -> int:
-    """``file`` opened for reading, refused unless it is a regular file (symlinks followed).
-
-    Opened without blocking, so that a FIFO put there cannot hang the open, then checked on
-    the open file itself, so that nothing can be swapped in between the check and the read.
-    """
+    """``file`` opened for reading, refused unless a regular file (symlinks followed): opened
+    without blocking (a FIFO cannot hang it), then checked on the open file (nothing can be
+    swapped in between the check and the read)."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -131,8 +124,7 @@ def _malformed(meta) -> str | None:
 
 
 def _paths_problem(sdm: dict, paths: dict) -> str | None:
-    """Each key the dotted join of its path (DCP's ``flatten_state_dict``), and the paths one
-    tree: each level a dict (string keys) or a list (small int keys), no leaf inside another."""
+    """Each key the dotted join of its path, and the paths one tree (no leaf inside another)."""
     kinds: dict[tuple, str] = {}
     for key in sdm:
         path = paths.get(key) if isinstance(key, str) else None
@@ -197,8 +189,7 @@ def _chunks_problem(key: str, m: TensorStorageMetadata, stored: dict) -> str | N
 
 
 def _overlapping(boxes: list[tuple[tuple, tuple]]) -> tuple | None:
-    """Two boxes of ``boxes`` that intersect, or None: a sweep along dim 0, comparing each box
-    with those still open there (one at a time for dim-0 chunks, FSDP2's and ours)."""
+    """Two boxes of ``boxes`` that intersect, or None (a sweep along dim 0)."""
     boxes = sorted(boxes)
     open_: list = []
     for offsets, sizes in boxes:
@@ -212,8 +203,7 @@ def _overlapping(boxes: list[tuple[tuple, tuple]]) -> tuple | None:
 
 
 def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dict:
-    """Raise, naming keys and shapes, unless the checkpoint is complete and fits the model;
-    returns ``{param name: [its elementwise optimizer state keys]}`` (shaped like the param)."""
+    """Raise unless the checkpoint fits the model; returns ``{param: [elementwise state keys]}``."""
     md = meta.state_dict_metadata
     if not any(k.startswith("model.") for k in md) and any(k in shapes for k in md):
         # torchtitan's layout: keys its own state-dict converters choose (llama3's wqkv saved
@@ -266,8 +256,7 @@ def check_fits(ckpt: str, meta: Metadata, shapes: dict, with_optim: bool) -> dic
 
 
 def check_files(ckpt: str, meta: Metadata) -> None:
-    """Every file ``.metadata`` names is a regular file holding every byte it points at: a
-    truncated file names its keys; a FIFO or a device is refused before it is opened."""
+    """Every file ``.metadata`` names is a regular file holding every byte it points at."""
     ends: dict[str, list] = {}
     for index, where in meta.storage_data.items():
         ends.setdefault(where.relative_path, []).append((where.offset + where.length, index.fqn))

@@ -1,36 +1,17 @@
 """FSDP2's all-gather extension: a tensor subclass decides what is sent, and what is computed with.
 
-FSDP2 describes a parameter's life in four tensors ([Note: FSDP tensors] in torch's
-``_fsdp_param.py``): the sharded parameter, the all-gather inputs, the all-gather outputs and
-the unsharded parameter, with
-
     all-gather inputs     = sharded.fsdp_pre_all_gather(mesh, ...)  -> (tensors, metadata)
     unsharded parameter   = sharded.fsdp_post_all_gather(outputs, metadata, param_dtype)
 
-for a parameter whose (local) tensor is a subclass defining both. torchao's float8 training
-uses it to send fp8 weights and to compute with the fp8 tensor it rebuilds; a plain tensor
-sends its shard (in the compute dtype) and computes with what arrived. zero honours it so:
-
-- At sharding the subclass's plain values (its one inner tensor, ``__tensor_flatten__``) go
-  into the unit's shard as any parameter's, and the sharded parameter's local tensor is the
-  subclass again, around this rank's rows of the shard (``__tensor_unflatten__``): the
-  optimizer steps the shard through it. Each such parameter's form (``SubclassForm``, a
-  ``SendingForm`` of ``zero/api.py``) is chosen as the unit is built (``forms``).
-- The unit's all-gather (``zero/core/rows.py``'s ``gather_sending``) sends, in one
-  collective, the plain parameters' rows in the compute dtype and each subclass parameter's
-  ``fsdp_pre_all_gather`` inputs, as bytes when their dtypes differ (as FSDP2 packs them);
-  never the subclass parameters' own rows. The reduction is the comm policy's, as ever.
-- When it has arrived, each subclass parameter's outputs go to its ``fsdp_post_all_gather``:
-  the first time to build the unsharded tensor, later with ``out=`` that tensor, refilled in
-  place (autograd may hold it for backward), as FSDP2 calls it. The module computes with
-  that tensor (``SubclassForm.unsharded``), and its gradient flows to the parameter's view
-  into the unit's full buffer, whence it is reduced as every gradient of the unit is.
-- When the unit reshards, the outputs and the tensors ``fsdp_post_all_gather`` named as its
-  own are freed (storage resized to 0), as FSDP2 frees them.
-
-Layout "rows" only (the sharded parameter is a DTensor whose local tensor is the subclass,
-FSDP2's); not with tensor parallel, CPU offload, hpZ (a smaller group after forward) or
-another comm policy for the weights (``check`` refuses each by name).
+([Note: FSDP tensors] in torch's ``_fsdp_param.py``; torchao's float8 training sends fp8.)
+The subclass's one inner tensor sits in the unit's shard like any parameter's, and the
+sharded parameter's local tensor is the subclass around this rank's rows. The unit's gather
+(``zero/core/rows.py``'s ``gather_sending``) sends the plain rows and each subclass's inputs
+in one collective; ``SubclassForm`` hands the outputs to ``fsdp_post_all_gather`` (then
+``out=``, refilled in place), the module computes with that tensor, its gradient flows to the
+parameter's view in the unit's buffer, and a reshard frees the outputs, as FSDP2 does. Layout
+"rows" only; ``check`` refuses tensor parallel, offload, hpZ and a weights comm policy by
+name. notes/16-layouts.md.
 """
 
 from __future__ import annotations
@@ -55,8 +36,7 @@ def has_extension(t: torch.Tensor) -> bool:
 
 def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
           offload: api.OffloadPolicy, secondary_group=None) -> None:
-    """Raise, naming the parameter and what to do, if a parameter with the extension cannot
-    be served here."""
+    """Raise, naming the parameter and the fix, if one with the extension cannot be served."""
     for name, p in names:
         if not has_extension(p):
             continue
@@ -100,10 +80,7 @@ def check(names, layout: type[api.Layout], comm_policy: api.CommPolicy | None,
 
 
 def forms(originals, config: UnitConfig) -> list:
-    """Per parameter of a unit about to be built: how to make its ``SubclassForm`` if it has
-    the extension (the subclass around its rows, computing with what the subclass builds),
-    else None. ``config``: the unit's (FSDP2 hands a 5-argument ``fsdp_pre_all_gather`` its
-    ``MixedPrecisionPolicy``)."""
+    """Per parameter of a unit about to be built: how to make its ``SubclassForm``, or None."""
     param_dtype = None if config.param_dtype == config.master_dtype else config.param_dtype
     mp_policy = MixedPrecisionPolicy(
         param_dtype, None if config.reduce_dtype == config.param_dtype else config.reduce_dtype,
@@ -119,8 +96,7 @@ def _allocated(t: torch.Tensor) -> None:
 
 
 class _ComputesWith(torch.autograd.Function):
-    """The identity from a parameter's view into the unit's full buffer to what its subclass
-    built: the forward computes with ``built``, the gradient goes to the view."""
+    """Identity from a parameter's view to what its subclass built; the gradient to the view."""
 
     @staticmethod
     def forward(ctx: Any, view: torch.Tensor, built: torch.Tensor) -> torch.Tensor:
@@ -132,11 +108,9 @@ class _ComputesWith(torch.autograd.Function):
 
 
 class SubclassForm:
-    """One parameter with the extension (``zero/api.py``'s ``SendingForm``): its inputs,
-    outputs and unsharded tensor (FSDP2's ``all_gather_outputs``, ``_extensions_data`` and
-    ``_unsharded_param``), made from its ``ShardedParam`` and ``orig``, the subclass; a
-    5-argument ``fsdp_pre_all_gather`` gets the module holding it and the unit's
-    ``mp_policy`` (torch's ``MixedPrecisionPolicy``)."""
+    """One parameter with the extension (``zero/api.py``'s ``SendingForm``): its inputs, outputs
+    and unsharded tensor (FSDP2's ``all_gather_outputs``, ``_extensions_data``,
+    ``_unsharded_param``), from its ``ShardedParam`` and ``orig``, the subclass."""
 
     sends = True  # its inputs go in the unit's all-gather, not its rows
 
@@ -154,8 +128,7 @@ class SubclassForm:
         self.local()  # the subclass around this rank's rows, from now on
 
     def local(self) -> Any:  # (the subclass: its two methods are duck-typed)
-        """The sharded parameter's local tensor: the subclass around this rank's rows (made
-        again if the parameter was remade plain since: ``to_empty``, a load)."""
+        """The subclass around this rank's rows (made again after ``to_empty``, a load)."""
         p = self.sp.sharded
         if type(p._local_tensor) is not self.cls:
             rows = p._local_tensor
@@ -164,8 +137,7 @@ class SubclassForm:
         return p._local_tensor
 
     def inputs(self, mesh, padded_rows: int) -> list[torch.Tensor]:
-        """What this rank sends: ``fsdp_pre_all_gather``'s tensors, flattened (FSDP2's
-        ``all_gather_inputs``), its metadata kept for ``arrived``."""
+        """What this rank sends: ``fsdp_pre_all_gather``'s tensors, flattened; metadata kept."""
         local = self.local()
         pre = local.fsdp_pre_all_gather
         if len(inspect.signature(pre).parameters) == 1:
@@ -185,9 +157,7 @@ class SubclassForm:
         return [t.reshape(-1) for t in tensors]
 
     def output(self, k: int, like: torch.Tensor, world_size: int) -> torch.Tensor:
-        """Input k's (N, numel) output to fill, ``like`` it, made once and re-allocated after a
-        free: on the computing stream, which reads it and alone frees it (the streams note in
-        ``zero/comm/context.py``)."""
+        """Input k's (N, numel) output, made once, re-allocated on the computing stream."""
         if len(self.outputs) == k:
             self.outputs.append(like.new_empty(world_size * like.numel()))
         _allocated(self.outputs[k])

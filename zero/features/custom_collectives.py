@@ -1,35 +1,23 @@
 """FSDP2's custom collectives as a comm policy: ``set_custom_all_gather`` and its relatives.
 
-FSDP2 lets a user replace the two collectives of a parameter group with objects of its own
-(``torch.distributed.fsdp._fully_shard._fsdp_api``'s ``AllGather`` and ``ReduceScatter``).
-Each object answers two questions: where the buffer a collective reads and writes lives
-(``allocate(size, dtype=, device=)``: a memory pool, a process group's own allocator), and
-how the collective is issued (``__call__(output_tensor, input_tensor, group, [op,]
-async_op)``). zero calls them with FSDP2's arguments: the all-gather with ``async_op=False``,
-the reduce-scatter without it (on an accelerator both return once queued on their stream). FSDP2 calls them in ``_fsdp_collectives.py``: the all-gather into a buffer of
-(N*S,) the object allocated, this rank's (S,) slot of it as the input (in place); the
-reduce-scatter from an allocated (N*S,) copy of the gradient into an allocated (S,) output,
-with a ``ReduceOp``.
-
-zero's mechanism moves a unit's buffers through a comm policy (``zero/api.py``'s
-``CommPolicy``), and this one is the adapter: ``zero.fully_shard`` gives every call one, and
-FSDP2's methods give the unit a changed copy (``zero/surface/fsdp2_module.py``). Empty, it
-is zero's own ``FlatCollectives``, call for call. With an object it does what FSDP2 does around the object:
+FSDP2 lets a user replace a group's two collectives with its own ``AllGather`` /
+``ReduceScatter`` objects (``_fully_shard/_fsdp_api.py``): ``allocate(size, dtype=, device=)``
+says where a buffer lives (a memory pool, a process group's allocator), ``__call__(output_tensor,
+input_tensor, group, [op,] async_op)`` issues the collective. zero calls them with FSDP2's
+arguments (``_fsdp_collectives.py``): the all-gather with ``async_op=False``, the
+reduce-scatter without it (on an accelerator both return once queued on their stream).
+Empty, this policy is zero's own ``FlatCollectives``, call for call; with an object:
 
     all_gather      shard (S,) -> wire = allocate((N*S,)) -> wire[slot] = shard (cast)
                     -> object(wire, wire[slot], group)   -> full = wire
     reduce_scatter  grad (N*S,) -> wire = allocate((N*S,)) = grad, out = allocate((S,))
                     -> object(out, wire, group, op)      -> grad[slot] = out
 
-one copy more each way than zero's own, in place, collectives (FSDP2 copies in and out of
-the object's buffers too), the price of the object's own memory. Each is issued through the
-root's comm context (``CommContext.launch``): recorded in the ledger, agreed in check mode,
-its wait bounded, like every other collective. Two more of FSDP2's settings live here,
-because they are about the same two collectives: the buffers allocated by the process group
-(``set_allocate_memory_from_process_group_for_comm``; gloo has no allocator of its own, and
-both FSDP2 and this fall back to ``torch.empty`` there), and a process group of its own for
-the reduce-scatter (``set_separate_reduce_scatter_group``), so that it need not queue behind
-the all-gathers on one communicator.
+one copy more each way than zero's own (FSDP2 copies too), the price of the object's memory;
+each is issued through ``CommContext.launch``, in the ledger like every collective. Here too:
+buffers from the process group's allocator (``set_allocate_memory_from_process_group_for_comm``;
+gloo has none: ``torch.empty``, as FSDP2) and a reduce-scatter group of its own
+(``set_separate_reduce_scatter_group``: not queued behind the all-gathers).
 """
 
 from __future__ import annotations
@@ -48,14 +36,12 @@ _OWN = FlatCollectives()
 
 @dataclass(frozen=True, eq=False, repr=False)
 class CustomCollectives:
-    """zero's ``CommPolicy`` around FSDP2's ``AllGather`` / ``ReduceScatter`` objects. Frozen:
-    FSDP2's setters give the unit a changed copy (``dataclasses.replace``, through
-    ``Unit.use_comm``), and the unit's config, frozen too, is replaced with it.
+    """zero's ``CommPolicy`` around FSDP2's ``AllGather`` / ``ReduceScatter`` objects (frozen:
+    FSDP2's setters give the unit a changed copy through ``Unit.use_comm``).
 
     Args:
         all_gather_comm, reduce_scatter_comm: FSDP2's objects, or None for zero's own.
-        from_group: allocate the buffers through the process group's allocator (where it
-            has one: NCCL with a memory pool), as FSDP2's ``ProcessGroupAlloc*`` do.
+        from_group: buffers from the process group's allocator (FSDP2's ``ProcessGroupAlloc*``).
         reduce_scatter_groups: shard group -> a group of its own for the reduce-scatter.
     """
 
@@ -83,8 +69,7 @@ class CustomCollectives:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
                    in_place: bool, group, unit: str, phase: str, ctx: api.Comm):
-        """``full`` (N*S,) from every rank's ``shard`` (S,); a handle whose ``wait()`` leaves
-        it filled (``FlatCollectives.all_gather``'s contract)."""
+        """``full`` (N*S,) from every rank's ``shard`` (S,); a handle (``FlatCollectives``')."""
         comm = self.all_gather_comm
         if (comm is None and not self.from_group) or ctx.alone(group):
             return _OWN.all_gather(full, shard, slot, in_place=in_place, group=group, unit=unit,
@@ -134,12 +119,8 @@ class CustomCollectives:
 
 
 class _Then:
-    """A handle that, once its collective has ended, copies the result where zero reads it.
-
-    The object's buffers were allocated on the side stream the collective was issued from
-    (``zero/comm/context.py``'s note on streams): the copy out of them runs there too, so that
-    they are last used where they were made and may go when this handle does; the computing
-    stream then waits for that stream. (On the CPU every stream call does nothing.)"""
+    """Once its collective ends, copies the result out on the side stream that allocated the
+    buffers (``zero/comm/context.py``'s streams note); the computing stream waits for it."""
 
     def __init__(self, work, copy_out, device: torch.device):
         self.work, self.copy_out = work, copy_out

@@ -1,41 +1,22 @@
 """Disk offload's files: every write checked complete, every read checked, nothing left behind.
 
-The optimizer state disk offload keeps (``zero/features/disk_offload.py``) is the only copy there is,
-so its files are held to what a checkpoint is held to:
+The optimizer state in these files is the only copy, so they are held to what a checkpoint is:
+a write the disk cuts short raises at once, naming the file (the bytes are still in memory); a
+read checks the length and a CRC-32 against what was written; the directory is this process's
+own (``zero-optimizer-state-*``) and goes with the store. notes/17-family.md, "Disk offload".
 
-- a write that the disk cuts short (a full disk, a file-size limit) raises at once, naming
-  the file and the error, and the caller still holds the bytes in memory;
-- a read checks the file's length and a CRC-32 of its bytes against what was written: a bit
-  flipped, a file truncated, lengthened or overwritten is a named error, never a step on
-  wrong moments;
-- the directory is this process's own (``zero-optimizer-state-*``), and is removed when the
-  store goes (the optimizer is collected, or the interpreter exits, ``sys.exit`` from a
-  signal handler included).
-
-[Note: who may delete a directory] Nothing is deleted that may still be needed:
-
-- A process that dies without cleaning up (SIGKILL, the OOM killer) leaves its directory, and
-  the next store made in the same directory reclaims it. "Dead" is not asked of a process
-  id: a job in another container on the same host (``docker --network=host``, a k8s
-  ``hostNetwork`` pod) shares the host name and the directory but not the PID namespace, and
-  would find a live owner "gone". Each store holds an exclusive ``flock`` on its mark file
-  for as long as it lives; the kernel drops it when the last descriptor closes, at death
-  whatever the cause, and a reclaim removes a directory only if it can take that lock. (The
-  host named in the mark stays a second condition: ``flock`` on some network file systems is
-  local to one machine.)
-- SIGTERM belongs to the program. One with its own handler (a preemption flag the loop
-  checks before ``zero.save``: SLURM's time limit, spot instances, Lightning's requeue) or
-  that ignores it keeps its state: zero installs a handler only where SIGTERM's action is the
-  default, death (torchrun stopping a failed job's workers), or is zero's own (a second
-  store chains its handler to the first's), and there removes this process's directories,
-  then dies of the signal as it would have. Where it is not zero's handler in force (the
-  program installed one later, which calls it on), it does nothing: the program decides, as
-  it would with no handler before its own. Each store's directory is known to its own
-  handler only (a closure): nothing here is a table every store writes to.
-- Marks are read as untrusted input: the directory is shared, and a planted mark (a named
-  pipe, a link to ``/dev/zero``, a number too large for a pid) must neither hang, exhaust
-  memory nor raise. A mark is opened without following links or blocking, must be a regular
-  file of this user and at most ``_MARK_BYTES`` long, and anything else is skipped: not ours.
+[Note: who may delete a directory] Nothing that may still be needed:
+- A dead process's directory is reclaimed by the next store in the same place, only if the
+  ``flock`` its store held on its mark is free (the kernel drops it at death): a pid is no
+  proof across PID namespaces (``docker --network=host``, a k8s ``hostNetwork`` pod). The
+  mark's host must match too (``flock`` on some network file systems is local to one machine).
+- SIGTERM is the program's: a handler is installed only where its action is death or zero's
+  own; it removes this process's directory, then dies of the signal, and does nothing when a
+  later handler of the program's calls it on. Each handler knows its own store's directory.
+- Marks are untrusted (the directory is shared): one planted as a pipe, a link to
+  ``/dev/zero`` or a huge pid must neither hang, exhaust memory nor raise, so a mark is opened
+  without following links or blocking, and skipped unless a regular file of this user of at
+  most ``_MARK_BYTES``.
 """
 
 from __future__ import annotations
@@ -66,8 +47,7 @@ class StateFiles:
     """A fresh directory of state files under ``directory``, written and read checked.
 
     Args:
-        directory: where to make it (a local SSD, say); directories that dead stores left
-            there are removed first (the module note).
+        directory: where to make it (a local SSD, say); dead stores' directories there go first.
     """
 
     def __init__(self, directory: str):
@@ -123,8 +103,7 @@ class StateFiles:
 
 
 def _hold(root: str) -> int:
-    """Write ``root``'s mark and lock it for this process's life; returns its descriptor. The
-    mark gets its name only once locked, so a reclaim never finds it unlocked and alive."""
+    """``root``'s mark, locked for this process's life (named once locked); its descriptor."""
     making = os.path.join(root, MARK + ".making")
     fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
@@ -135,8 +114,7 @@ def _hold(root: str) -> int:
 
 
 def reclaim(directory: str) -> list[str]:
-    """Remove the directories under ``directory`` that a store made on this host and whose
-    owner is dead (its lock on the mark is free); returns them. Nothing else is touched."""
+    """Remove (and return) the directories under ``directory`` of dead stores of this host."""
     gone = []
     for name in sorted(os.listdir(directory)):
         if not name.startswith(PREFIX):
@@ -154,8 +132,7 @@ def reclaim(directory: str) -> list[str]:
 
 
 def _take_if_abandoned(path: str) -> int | None:
-    """The descriptor of ``path``'s mark, locked by us, if ``path`` is a directory a store of
-    this user made on this host and its owner is dead; else None (the module note)."""
+    """``path``'s mark locked by us, if a dead store of this user and host made it; else None."""
     try:
         folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -191,8 +168,7 @@ def _ours(mark: bytes) -> bool:
 
 
 def _remove(root: str, mark: int, owner: int) -> None:
-    """Remove ``root`` and drop its lock, if this process made it (a forked child has a copy
-    of the descriptor and the finalizer: the directory is its parent's)."""
+    """Remove ``root`` and drop its lock, if this process made it (not a forked child)."""
     try:
         if os.getpid() == owner:
             shutil.rmtree(root, ignore_errors=True)
@@ -201,9 +177,7 @@ def _remove(root: str, mark: int, owner: int) -> None:
 
 
 def _handle_sigterm(root: str, owner: int) -> None:
-    """Install a SIGTERM handler for ``root`` where SIGTERM would kill the process or is
-    zero's own (the module note); from the main thread only (elsewhere Python refuses, and
-    the reclaim remains)."""
+    """Install a SIGTERM handler for ``root`` (the module note), from the main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
     with _HANDLER_LOCK:

@@ -1,35 +1,18 @@
 """Disk offload (ZeRO-Infinity's NVMe tier, on any file system): the optimizer state in files.
 
-ZeRO-Offload (``zero/features/offload.py``) frees the accelerator of the model states and puts them on
-the host; ZeRO-Infinity (Rajbhandari et al., "ZeRO-Infinity: Breaking the GPU Memory Wall for
-Extreme Scale Deep Learning", SC21) goes one tier further, and this file takes its largest
-part there: the optimizer state (AdamW's two moments, 8 bytes a parameter against the shard's
-4) lives in one file per unit, and a rank holds the state of at most two units in memory. The
-shards and their gradients stay on the host, as with CPU offload, and the step runs there.
+ZeRO-Infinity (Rajbhandari et al., SC21) goes a tier past ZeRO-Offload (``offload.py``): here
+the optimizer state (AdamW's moments, 8 bytes a parameter) lives in one file per unit, and a
+rank holds at most two units' state in memory; the shards stay on the host. torch's
+optimizers read every parameter's state first, so this policy splits the step itself
+(``before_step``, from zero's step pre-hook, after the user's)::
 
-torch's optimizers step a whole parameter group in one call and read every parameter's state
-first (AdamW's ``_init_group``), so the step is split here, unit by unit. This policy owns
-that part of the step (``before_step``, called by zero's step pre-hook on the optimizer,
-``zero/surface/attach.py``, which runs after the user's own pre-hooks: a warm-up that sets this
-step's lr has set it before any unit is stepped)::
+    for each unit k (the same order on every rank):
+        read unit k+1's file in the background     (disk -> memory)
+        opt's own step over unit k's parameters only, their state put back
+        write unit k's state back in the background (memory -> disk), drop it
 
-    opt.step():  user's pre-hooks
-                 zero's pre-hook: for each unit k (the same order on every rank):
-                     read unit k+1's file in the background     (disk -> memory)
-                     opt's own step over unit k's parameters only, their state put back
-                     write unit k's state back in the background (memory -> disk), drop it
-                 the call itself: over the parameters no unit holds (none, usually)
-                 post-hook: as for any optimizer
-
-Stepping a unit's parameters apart from the rest computes, parameter by parameter, what one
-call computes: every optimizer that zero steps on pieces updates each parameter on its own
-(``zero/core/optimizers.py``'s ``ELEMENTWISE``, checked below), so the bits are those of the
-in-memory run (tests/features/test_disk_offload.py). What is read and written is counted in the ledger
-("read" and "write" records, bytes moved, none sent), and ``held_bytes`` / ``peak_bytes`` say
-how much state the store holds in memory. Each unit's state is keyed by the unit itself,
-never by its name (which the root changes at the first forward, from the module's class to
-its path): a resume or a save before any forward, and two separately sharded models in one
-optimizer, find their own state.
+Bitwise the in-memory run for optimizers that update each parameter alone (``ELEMENTWISE``).
+notes/17-family.md, "Disk offload".
 """
 
 from __future__ import annotations
@@ -76,10 +59,7 @@ class DiskOffload(CPUOffload):
         return stores[self]
 
     def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
-        """This policy's part of ``opt.step()``: step ``units`` (this policy's, in the
-        optimizer's order) one by one, each unit's state read from its file and written back;
-        returns the call's arguments, the optimizer replaced by a stand-in that holds only
-        the parameters no such unit holds, for torch to step as usual."""
+        """Step ``units`` one by one; the call's arguments, a stand-in optimizer for the rest."""
         kind = type(optimizer).__name__
         own_step = getattr(type(optimizer).step, "__wrapped__", None)
         if kind not in ELEMENTWISE or own_step is None:
@@ -103,10 +83,7 @@ class DiskOffload(CPUOffload):
 
     @contextlib.contextmanager
     def resident(self, optimizer, units: list):
-        """All the state of ``units`` in ``optimizer`` in memory for the duration, then back in
-        its files: for ``zero.save`` (which reads it) and ``zero.load`` (which replaces it).
-        Nothing else reads an optimizer's state between steps; while it is on disk
-        ``optimizer.state`` holds none of it."""
+        """All the state of ``units`` in memory for the duration (save, load), then in its files."""
         store = self.store(optimizer)  # (an optimizer that never stepped has it made here)
         store.pieces = _pieces(optimizer, units)
         for unit, params in store.pieces:
@@ -135,8 +112,7 @@ def stores_of(optimizer) -> list["StateStore"]:
 
 
 def _pieces(optimizer, units: list) -> list[tuple]:
-    """[(unit, its parameters in the optimizer)] for ``units``, in the order of the
-    optimizer's parameters (the same on every rank)."""
+    """[(unit, its parameters in the optimizer)] for ``units``, in the optimizer's order."""
     wanted = set(units)
     out: dict = {}
     for group in optimizer.param_groups:

@@ -1,11 +1,9 @@
 """Disk offload's store: one optimizer's state in files, one a unit, moved around its step.
 
-``DiskOffload`` (``zero/features/disk_offload.py``) decides when a unit's state is needed;
-this is how it crosses: read in the background ahead of the unit's step, put back into
-``optimizer.state`` for the step, taken out and written back in the background after it,
-each file checked on the way (``zero/features/disk_files.py``). A rank holds the state of
-at most two units in memory (``held_bytes``, ``peak_bytes``); a write the disk refuses
-leaves that unit's state in memory, in ``optimizer.state``, and says so.
+``DiskOffload`` decides when a unit's state is needed; this reads it in the background ahead
+of the unit's step, puts it back into ``optimizer.state``, takes it out and writes it back in
+the background after, each file checked (``disk_files.py``). A write the disk refuses leaves
+that unit's state in memory, in ``optimizer.state``, and says so.
 """
 
 from __future__ import annotations
@@ -25,13 +23,8 @@ ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit
 
 
 class StateStore:
-    """One optimizer's state for the units of one ``DiskOffload``, in one file per unit.
-
-    A unit's state is one byte buffer, the tensors of its parameters' state end to end (each
-    at a multiple of ``ALIGN``); its index (which parameter, key, dtype, shape, where) stays in
-    memory with the scalar state (AdamW's ``step``, a 0-d tensor), which is too small to move.
-    Everything is keyed by the unit object (its name is only for the ledger).
-    """
+    """One optimizer's state for one ``DiskOffload``'s units, a file a unit: its state tensors
+    end to end (at multiples of ``ALIGN``); index and 0-d state (``step``) stay in memory."""
 
     def __init__(self, directory: str):
         self.disk = StateFiles(directory)  # checked writes and reads (zero/features/disk_files.py)
@@ -48,8 +41,7 @@ class StateStore:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zero-disk")
 
     def _submit(self, fn, *args):
-        """``fn(*args)`` on the I/O thread, in a copy of this thread's context (the active
-        ledgers, which record its reads and writes)."""
+        """``fn(*args)`` on the I/O thread, in this thread's context (its ledgers)."""
         return self._io.submit(contextvars.copy_context().run, fn, *args)
 
     def path(self, unit) -> str:
@@ -85,10 +77,7 @@ class StateStore:
                 optimizer.state[p].update(self.scalars[p])
 
     def take_out(self, optimizer, unit, params: list, buf: torch.Tensor | None):
-        """Take the unit's state out of the optimizer, into ``buf``; returns the buffer to
-        write. The layout follows the state: without a buffer (the first step, a load), and
-        whenever the optimizer made state for another parameter (one unused until now) or
-        changed a tensor's dtype or shape, the unit gets a new buffer."""
+        """The unit's state out of the optimizer, into ``buf`` (new if none or a new layout)."""
         entries = [(p, key, v.dtype, v.shape) for p in params
                    for key, v in optimizer.state.get(p, {}).items() if _moved(v)]
         same = lambda es: [(id(p), *rest) for p, *rest in es]  # noqa: E731 (not tensor ==)
@@ -113,8 +102,7 @@ class StateStore:
         return buf
 
     def write(self, unit, buf: torch.Tensor) -> None:
-        """Write the unit's buffer to its file; it is freed once written. One the disk refuses
-        is kept (``unwritten``), for the step to give back to the optimizer."""
+        """Write the unit's buffer to its file; one the disk refuses is kept (``unwritten``)."""
         try:
             self.disk.write(self.path(unit), buf.numpy())
         except StateFileError:
@@ -125,9 +113,7 @@ class StateStore:
         ledger.record_copy("write", buf, unit.name, "step")
 
     def _keep_unwritten(self, optimizer, pieces: list) -> int:
-        """The units whose write failed: their state back in ``optimizer.state`` (in memory,
-        as without disk offload), and no file of theirs is read again. How many there were;
-        the store then holds nothing in memory (as between steps)."""
+        """The units whose write failed: state back in ``optimizer.state``; returns how many."""
         kept = 0
         for unit, params in pieces:
             buf = self.unwritten.pop(unit, None)
@@ -142,8 +128,7 @@ class StateStore:
     # ---- the whole step, and the whole state for a checkpoint -------------------------------
 
     def step(self, optimizer, pieces: list[tuple], own_step) -> None:
-        """``own_step()`` once per unit, over ``pieces`` (unit, its parameters in the
-        optimizer) in order, each unit's state read before and written after, one ahead."""
+        """``own_step()`` once per unit of ``pieces`` in order, its state read one ahead."""
         if self.failed is not None:
             raise RuntimeError(
                 f"the last opt.step() failed part way under DiskOffload: the units before "
@@ -186,8 +171,7 @@ class StateStore:
                 "(zero.save)") from refused[0]
 
     def store_all(self, optimizer) -> None:
-        """Every unit's state from the optimizer to its file again (after ``resident`` put it
-        there, and a load may have replaced all of it)."""
+        """Every unit's state from the optimizer to its file again (after ``resident``)."""
         refused = None
         for unit, params in self.pieces:
             if any(p in optimizer.state for p in params):
@@ -205,8 +189,6 @@ class StateStore:
         if refused is not None:
             raise StateFileError(f"{refused}; that state is kept in memory "
                                  "(optimizer.state)") from refused
-
-
 
 
 def _moved(value) -> bool:

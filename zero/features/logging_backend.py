@@ -1,15 +1,12 @@
 """A backend that writes every collective to a file before launching it: the seam, used.
 
-Give it to ``zero.shard(..., backend=LoggingBackend("rank0.log"))`` (each rank its own file)
-and every collective of those units, of their training steps and of ``zero.save`` /
-``zero.load`` on the model, is one line of the file, in the order this rank launched them::
+``zero.shard(..., backend=LoggingBackend("rank0.log"))`` (each rank its own file) logs every
+collective of those units, and of ``zero.save`` / ``zero.load``, one line each, in order::
 
     all_gather float32 (16896,) <- (8448,) ranks=2
-    reduce_scatter float32 (8448,) <- (16896,) ranks=2
 
-It wraps another backend (the default: ``TorchBackend``) and answers every other question
-(rank, world size, how waits are bounded) as that one does. One file, no change anywhere
-else: that is what the ``Backend`` seam of ``zero/api.py`` is for.
+and answers every other question as the backend it wraps. One file, no change anywhere else:
+that is what ``zero/api.py``'s ``Backend`` seam is for.
 """
 
 from __future__ import annotations

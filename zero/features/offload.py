@@ -1,26 +1,15 @@
 """CPU offload (ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``): the shards live on the host.
 
-ZeRO-3 leaves each rank 16Ψ/N bytes of model states; ZeRO-Offload (Ren et al., "ZeRO-Offload:
-Democratizing Billion-Scale Model Training", USENIX ATC 2021) moves the largest part of them,
-the fp32 master shards, their gradients and the optimizer state, to the host, and runs the
-optimizer step there. What stays on the accelerator is what computes: a unit's gathered
-parameters and its gradient while it is being formed. Per step and unit, the shard crosses
-to the device for each all-gather (host -> device, its master dtype, as FSDP2 copies it), and
-the reduced gradient shard comes back (device -> host, the reduce dtype)::
+ZeRO-Offload (Ren et al., USENIX ATC 2021) moves the fp32 master shards, their gradients and
+the optimizer state to the host, and steps there; the device keeps what computes::
 
     host:    sharded (fp32) ---h2d---> device: slot of the full buffer -> all-gather -> compute
     host:    reduced shard <---d2h--- device: full gradient -> reduce-scatter (in place)
     host:    opt.step() on the host shards and their state
 
-The mechanism asks this policy (the ``OffloadPolicy`` of ``zero/api.py``) where the shard is
-allocated and how a tensor crosses (``zero/core/unit.py``, ``zero/core/grads.py``: each
-crossing a ledger record, ``h2d`` or ``d2h``, with its bytes and no bytes sent over the
-network); the optimizer's step hook asks it for its part of the step (``before_step``: none
-here, disk offload's is all of it) and a checkpoint for the state in memory (``resident``).
-No offload is a policy too, ``OnDevice``, so the mechanism never asks whether there is one.
-On a machine without an accelerator host and device are the same memory: the copies still
-happen and are counted, and training is bitwise the same as without offload
-(tests/features/test_offload.py).
+The mechanism asks the policy (``zero/api.py``'s ``OffloadPolicy``) where the shard lives and
+how a tensor crosses (each crossing a ledger record); no offload is a policy too, ``OnDevice``.
+notes/17-family.md, "CPU offload".
 """
 
 from __future__ import annotations
@@ -37,17 +26,13 @@ from zero.comm import ledger
 
 
 class _StepsAsUsual:
-    """A policy under which the optimizer steps as usual, its state always in memory
-    (``OnDevice``; ``CPUOffload``, on the host shards). Disk offload steps the units itself
-    (``zero/features/disk_offload.py``)."""
+    """A policy under which the optimizer steps as usual, its state always in memory."""
 
     def before_step(self, optimizer, units: list, args: tuple, kwargs: dict):
         """This policy's part of ``opt.step()`` over ``units``: none."""
-        return None
 
     def after_step(self, optimizer, units: list) -> None:
         """This policy's part after ``opt.step()``: none."""
-        return None
 
     def resident(self, optimizer, units: list):
         """The optimizer state of ``units`` in memory for a checkpoint: it always is."""
@@ -56,8 +41,7 @@ class _StepsAsUsual:
 
 @dataclass(frozen=True)
 class OnDevice(_StepsAsUsual):
-    """No offload (the default): the shards, their gradients and the optimizer state live on
-    the compute device, and nothing crosses to the host."""
+    """No offload (the default): everything on the compute device, nothing crosses."""
 
     on_device: ClassVar[bool] = True  # the shard may live inside the full buffer (stages 1/2)
 
@@ -74,8 +58,7 @@ class OnDevice(_StepsAsUsual):
         return shard  # (it is there)
 
     def to_host(self, shard: torch.Tensor, unit: str, keep: bool = False) -> torch.Tensor:
-        """A reduced gradient shard where the optimizer steps: the view itself if ``keep``
-        (stage 1 keeps the full gradient anyway), else a copy (which frees the full one)."""
+        """A reduced gradient shard: the view if ``keep`` (stage 1), else a copy."""
         return shard if keep else shard.clone()
 
 
@@ -94,7 +77,7 @@ class CPUOffload(_StepsAsUsual):
         return torch.device("cpu")
 
     def check(self, layout: type[api.Layout]) -> None:
-        """Raise if this policy cannot serve units of ``layout`` (a ``zero.surface.policies`` layout)."""
+        """Raise if this policy cannot serve units of ``layout``."""
 
     def pinned(self, compute: torch.device) -> bool:
         return self.pin_memory and compute.type != "cpu"
@@ -113,9 +96,8 @@ class CPUOffload(_StepsAsUsual):
 
 
 def offload_from_torch(policy):
-    """``OnDevice()`` for None and for torch's ``OffloadPolicy`` (no offload), ``CPUOffload``
-    for torch's ``CPUOffloadPolicy``; anything else as it is: ``zero.shard`` then checks it
-    against ``zero/api.py``'s ``OffloadPolicy``, whatever its class."""
+    """``OnDevice()`` for None and torch's ``OffloadPolicy``, ``CPUOffload`` for its
+    ``CPUOffloadPolicy``, anything else as it is (``zero.shard`` checks it)."""
     if policy is None or type(policy) is OffloadPolicy:
         return OnDevice()
     if isinstance(policy, CPUOffloadPolicy):

@@ -1,23 +1,12 @@
 """ZeRO++'s qwZ: the weight all-gather in int8, one scale per block (Wang et al., "ZeRO++:
 Extremely Efficient Collective Communication for Giant Model Training", 2023, section 3.1).
 
-ZeRO-3 all-gathers every unit's parameters twice a step, in the compute dtype (2 bytes an
-element in bf16). qwZ quantizes each rank's shard before the all-gather, block by block
-(symmetric int8: a block's scale is its largest magnitude over 127), sends 1 byte an element
-plus one fp32 scale per block, and dequantizes after::
-
     shard (S,) fp32 -> q (S,) int8 + scales (S/B,) fp32 -> one message of bytes a rank
                     -> all-gather -> full (N*S,)
 
-Only what is sent is lossy: the fp32 master shard, the gradients and the optimizer step are
-untouched; every rank computes with the same dequantized weights (its own shard's too). Each
-element is off by at most half a step, its block's largest magnitude over 254
-(tests/features/test_quantized.py holds the bound). Bytes: (N-1)/N * (N*S + 4*N*S/B) per all-gather,
-against 2*(N-1)/N * N*S for bf16.
-
-A communication policy (``zero/comm/flat_collectives.py``): ``zero.shard(...,
-comm_policy=QuantizedWeights())``. It needs a shard of its own, apart from the full buffer it
-fills: stage 3, or stages 1/2 computing in another dtype than the master's.
+Only what is sent is lossy (within half a step, a block's largest magnitude over 254); the
+master shard, gradients and step are untouched. It needs a shard apart from the full buffer
+it fills: stage 3, or stages 1/2 computing in another dtype. notes/17-family.md, "qwZ".
 """
 
 from __future__ import annotations
@@ -32,9 +21,7 @@ BLOCK = 256  # elements per scale (ours; DeepSpeed's qwZ groups by a similar fix
 
 def quantize_rows(x: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric block quantization of each row: (R, L) -> (R, nb*B) int8 in [-levels, levels]
-    and (R, nb) fp32 scales (a block's largest magnitude over ``levels``; 1 for a block of
-    zeros; NaN for a block holding an inf or a NaN, which so arrives as NaNs), each row's last
-    block padded with zeros. ``q * scale`` is within half a scale."""
+    and (R, nb) fp32 scales (a block's largest magnitude over ``levels``), zero-padded."""
     rows, length = x.shape
     nb = -(-length // block)
     if length % block == 0:

@@ -2,10 +2,9 @@
 "ZeRO++: Extremely Efficient Collective Communication for Giant Model Training", 2023,
 section 3.3).
 
-A ring reduce-scatter in low precision would quantize and dequantize at every one of its
-N-1 hops, and its error would grow with N. qgZ sends each value quantized once per hop of
-the cluster's two levels, and sums in fp32 between them. With N = n nodes x g ranks a node
-(a 2-D mesh, rank i*g + j on node i), shard k of the flat gradient belonging to rank k::
+A ring in low precision would quantize at each of its N-1 hops; qgZ quantizes once per level
+of the cluster and sums in fp32 between. With N = n nodes x g ranks a node (rank i*g + j on
+node i), shard k of the flat gradient rank k's::
 
     grad (N*S,)  viewed (n, g, S)          [node i', local j', element]
     encode       g messages                message j' = the n shards local rank j' owns,
@@ -15,19 +14,8 @@ the cluster's two levels, and sums in fp32 between them. With N = n nodes x g ra
     hop 2        all-to-all across nodes   4-bit again: node i' gets row i' (shard i'*g + j)
     sum          n x (S,) -> (S,)          dequantized, summed: this rank's shard, / N for avg
 
-Bytes each rank sends, with nb = ceil(S/B) blocks a shard (B elements a scale, 1/2 byte an
-element), one all-to-all a hop: within the node (g-1)/g x N*(nb*B/2 + 4*nb), across nodes
-(n-1)/n x n*(nb*B/2 + 4*nb), against (N-1)/N x 4*N*S for an fp32 reduce-scatter. While it
-runs a unit holds its full gradient, its g messages (1/8 of an fp32 gradient, and the
-scales) and one chunk's working copy (1/g of the gradient). Across nodes that is a node's g
-ranks sending M/4 in all, M the fp16 gradient's bytes (the paper's 0.25M), less (n-1)/n, plus
-the scales. Error: symmetric 4-bit (levels -7..7) is within half a step, a block's largest
-magnitude over 14, at each hop; so each element of the sum is within (sum over ranks of the
-block's largest magnitude) / 7, plus fp32 rounding (tests/features/test_quantized_gradients.py).
-
-A communication policy: ``zero.shard(..., comm_policy=QuantizedGradients(mesh))`` with the
-unit sharded over all of the mesh's ranks (``group`` the world, or the mesh's ranks). The
-all-gathers are ``FlatCollectives``' (or pass ``weights=QuantizedWeights()`` for qwZ too).
+Bytes a hop and the error bound (a block's largest magnitude over 14, each hop):
+notes/17-family.md, "qgZ".
 """
 
 from __future__ import annotations
@@ -58,11 +46,9 @@ class QuantizedGradients(FlatCollectives):
     """qgZ: the reduce-scatter in two 4-bit all-to-all hops over a (nodes, ranks a node) mesh.
 
     Args:
-        mesh: a 2-D ``DeviceMesh`` (nodes, ranks a node) over the ranks the unit is sharded on,
-            in their order: rank i*g + j of the shard group is at (i, j).
+        mesh: a 2-D ``DeviceMesh`` (nodes, ranks a node) over the unit's shard group, in order.
         block: elements a scale (even, for two codes a byte).
-        weights: the all-gather's policy (default: ``FlatCollectives``'; ``QuantizedWeights()``
-            for qwZ and qgZ together).
+        weights: the all-gather's policy (``QuantizedWeights()`` for qwZ too).
     """
 
     def __init__(self, mesh, block: int = BLOCK, weights: FlatCollectives | None = None):
@@ -93,8 +79,7 @@ class QuantizedGradients(FlatCollectives):
         return self.weights.all_gather(*args, **kwargs)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        """(R, S) -> one message of bytes: each row's 4-bit codes (two a byte), then its fp32
-        scales, row after row: (R * (nb*B/2 + 4*nb),) uint8."""
+        """(R, S) -> (R * (nb*B/2 + 4*nb),) uint8: each row's 4-bit codes, then its scales."""
         q, scale = quantize_rows(rows, self.block, LEVELS)
         r = rows.shape[0]
         return torch.cat([pack(q), scale.view(torch.uint8).view(r, -1)], dim=1).view(-1)

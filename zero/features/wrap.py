@@ -1,19 +1,10 @@
 """Wrapping as a policy: which modules become units, from one call on the whole model.
 
-FSDP1 users write ``FSDP(model, sharding_strategy=..., auto_wrap_policy=...)`` once, and the
-policy decides which sub-modules get a unit of their own: every ``Block``
-(``ModuleWrapPolicy``), every module holding more than some number of parameters not yet in a
-unit (``size_based_auto_wrap_policy``), every transformer layer, anything a lambda picks.
-The choice of units is the one knob, after the stage, that decides a ZeRO-3 step's peak
-memory (the largest unit is gathered whole) and its number of collectives (two all-gathers
-and one reduce-scatter per unit). ``zero.shard(model, auto_wrap_policy=...)`` asks torch's own
-policies, with FSDP1's own traversal, which modules it would wrap, and makes a unit of each,
-bottom-up, then of the root: the same units FSDP1 makes.
-
-The strategy names map to stages: ``FULL_SHARD`` is ZeRO-3, ``SHARD_GRAD_OP`` ZeRO-2,
-``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` the same within a node and replicated across
-(HSDP, a 2-D ``mesh``), ``NO_SHARD`` DDP: a unit sharded over one rank, its gradient averaged
-over all of them (a mesh of N rows of one rank).
+``zero.shard(model, auto_wrap_policy=...)`` asks torch's own FSDP1 policies
+(``ModuleWrapPolicy``, ``size_based_auto_wrap_policy``, ...), with FSDP1's own traversal,
+which modules to wrap, and makes the same units FSDP1 does (notes/09-scale.md, "Units"). The
+strategy names map to stages: ``FULL_SHARD`` ZeRO-3, ``SHARD_GRAD_OP`` ZeRO-2, the
+``HYBRID_SHARD`` pair the same on a 2-D mesh (HSDP), ``NO_SHARD`` DDP (a mesh of N rows of one).
 """
 
 from __future__ import annotations
@@ -26,10 +17,8 @@ HYBRID = {"HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"}
 
 
 def units_by_policy(model: nn.Module, policy, ignored_params=None) -> list[nn.Module]:
-    """The modules FSDP1's auto-wrap would wrap, in the order it wraps them (bottom-up), the
-    root not included. ``policy`` is one of ``torch.distributed.fsdp.wrap``'s: a ``_Policy``
-    (``ModuleWrapPolicy``, ``CustomPolicy``) or a callable (``size_based_auto_wrap_policy``,
-    ``transformer_auto_wrap_policy``, ``lambda_auto_wrap_policy`` with ``functools.partial``)."""
+    """The modules FSDP1's auto-wrap would wrap, bottom-up, the root not included; ``policy``
+    is ``torch.distributed.fsdp.wrap``'s: a ``_Policy`` or a callable (``functools.partial``)."""
     from torch.distributed.fsdp.wrap import _Policy, _post_order_apply, _recursive_wrap
 
     found: list[nn.Module] = []
