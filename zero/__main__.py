@@ -1,9 +1,6 @@
-"""``python -m zero``: the package's one command.
+"""``python -m zero export CKPT OUT.pt``: a zero.save checkpoint as one plain torch.save file.
 
-    python -m zero export CKPT OUT.pt   # a zero.save checkpoint as one plain torch.save file
-
-The bench's tools (a narrated training step, the plan for a model on a cluster) watch zero from
-the outside and live with the bench: ``python -m zerolab trace`` and ``python -m zerolab plan``.
+The bench's tools watch zero from outside: ``python -m zerolab trace`` and ``... plan``.
 """
 
 from __future__ import annotations

@@ -55,8 +55,7 @@ class Record:
     """One collective as seen by this rank."""
 
     op: str  # "all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "agree";
-    #          or a copy between host and device, "h2d" or "d2h" (CPU offload), or between
-    #          memory and disk, "read" or "write" (disk offload), which send nothing
+    #          or a copy, which sends nothing: "h2d", "d2h" (CPU offload), "read", "write" (disk)
     dtype: torch.dtype
     buffer_bytes: int  # size of the full (unsharded) buffer
     sent_bytes: int  # what this rank sends under ring accounting

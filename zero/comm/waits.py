@@ -32,9 +32,8 @@ def timeout_seconds() -> float:
 
 
 def expired() -> list[str]:
-    """The collectives this thread gave up waiting for. After one its process group is out of
-    step with the others' (a collective left pending), so nothing issued on it can be trusted
-    to complete: a launcher uses this to skip a farewell barrier."""
+    """The collectives this thread gave up waiting for: its process group is out of step then
+    (a launcher skips its farewell barrier)."""
     return list(_EXPIRED.get())
 
 

@@ -250,8 +250,7 @@ class ZeroFSDPModule(FSDPModule):
         return self
 
     def _apply(self, fn, *args: Any, **kwargs: Any):
-        # ``model.to(the device it is on)`` (Lightning's setup) changes nothing: every tensor
-        # converts to itself. Anything else would swap the shards' data for copies.
+        # ``model.to(the device it is on)`` (Lightning's setup) changes nothing: allowed
         tensors = [*self._module.parameters(), *self._module.buffers()]
         if all(fn(t) is t for t in tensors):
             return self

@@ -18,9 +18,8 @@ from zero.core.flat import FlatLayout
 from zero.core.rows import RowsLayout
 from zero.core.whole import WholeLayout
 
-# Who holds which element (notes/16-layouts.md): FSDP1's and DeepSpeed's flat pieces (the
-# default), FSDP2's rows (DTensor parameters, FSDP2's sums at any world size), whole parameters
-# (for optimizers that read a whole tensor: Adafactor, Muon).
+# Who holds which element (notes/16-layouts.md): FSDP1's and DeepSpeed's flat pieces, FSDP2's
+# rows (DTensor parameters), whole parameters (for Adafactor, Muon).
 LAYOUTS: dict[str, type[Layout]] = {"flat": FlatLayout, "rows": RowsLayout, "whole": WholeLayout}
 
 

@@ -320,8 +320,7 @@ def _shard_by_policy(model, o: Options):
                             reshard_after_forward=o.reshard_after_forward if stage == 3 else None)
     if policy is not None:
         for module in wrap.units_by_policy(model, policy, o.ignored_params):
-            # A tied parameter belongs to the lowest unit holding all its users (FSDP1 would
-            # put it in the first unit wrapping one of them): leave it to a unit above.
+            # A tied parameter belongs to the lowest unit holding all its users (not FSDP1's)
             _shard([module], o, wrap.shared_outside(model, module))
     _shard([model], o, frozenset())
     return model
@@ -363,9 +362,8 @@ def _mesh_group(mesh, ctx):
     if mesh.size() == ctx.world_size():
         return None
     if not hasattr(mesh, "_zero_all_group"):  # (making a group moves no data: notes/15)
-        # A slice of a larger mesh (HSDP's dims of a (replicate, shard, tp) mesh): each tp
-        # rank's slice differs, and torch's _flatten makes every slice's group on every rank,
-        # in one order, as a new group must be made
+        # A slice of a larger mesh ((replicate, shard, tp)): _flatten makes every slice's group
+        # on every rank, in one order, as a new group must be made
         mesh._zero_all_group = (mesh._flatten().get_group() if mesh.mesh_dim_names
                                 else dist.new_group(sorted(mesh.mesh.flatten().tolist())))
     return mesh._zero_all_group
