@@ -1,35 +1,11 @@
 """Adoption: what a client puts in a module's parameter slots after ``zero.shard``.
 
-FSDP2's clients replace parameters after sharding, and FSDP2 adopts the new ones
-(``FSDPParam.reset_sharded_param``, at lazy init and after ``load_state_dict``): torchtune
-and accelerate load with ``load_state_dict(sd, assign=True)``, transformers with ``setattr``
-and then ties the embeddings with ``tie_weights()``. A unit finds what changed by comparing
-each slot of each of its parameters (``ShardedParam.locations``) with the sharded parameter
-it put there, and takes it, or refuses it by name:
+Adopted as FSDP2's ``reset_sharded_param`` does, or refused by name (``zero/core/guards.py``):
+notes/18-edge-cases.md, "Parameters replaced after sharding".
 
-- a tensor of the parameter's full shape: its values go into the shard, and it becomes the
-  sharded parameter (``ShardedParam.adopt``): an optimizer built from it steps the shard;
-- another parameter of the same unit (a tie made after sharding: ``head.weight =
-  emb.weight``): the slot joins that parameter's slots, exactly what a tie made before
-  sharding is, one parameter used in two places (``ShardedParam.take_slots``). Autograd sums
-  both uses into its gradient before the reduction, as in DDP and the unsharded model. (FSDP2
-  instead points both of its ``FSDPParam``s at one sharded tensor and adds their gradients
-  after reducing each: the same tie, summed in another order, ulps apart.) The head's own
-  piece of the shard is left unused, as the head's old parameter, which no module holds;
-- a parameter of another unit: refused (a tied parameter lives in one unit, the lowest that
-  holds all its users; the same rule ``zero.shard`` enforces);
-- this rank's own piece converted (``model.half()`` where ``_apply`` makes new parameters:
-  the piece's shape, another dtype) or moved to the meta device: refused, naming that
-  (``zero/core/guards.py``).
-
-[Note: adoption is agreed] A parameter replaced on one rank only, adopted there alone, would
-leave the ranks training different models without a word. So the ranks agree on what they
-adopt, as ``zero.shard`` agrees on what it shards: the root's forward agreement says which
-parameters were replaced since the last forward (``pending``); the load hook that adopts at
-once (``zero/surface/attach.py``) and zero's own readers (``adopt_agreed``) agree first. A
-replacement between a forward and its backward is refused (``refuse_before_backward``):
-backward computes with the parameters that forward used, and FSDP2, like zero before, drops
-the new one silently there.
+[Note: adoption is agreed] Adopted on one rank alone, a replacement would leave the ranks
+training different models: the root's forward agreement lists what was replaced
+(``pending``), and the load hook and zero's own readers (``adopt_agreed``) agree first.
 """
 
 from __future__ import annotations
@@ -57,16 +33,14 @@ def replaced(unit) -> list[tuple]:
 
 
 def pending(units: list) -> str:
-    """What was replaced in ``units`` and not yet adopted, in words every rank can compare
-    (names, kinds, dtypes; no shapes, addresses or device indices): "" if nothing."""
+    """What was replaced in ``units``, in words every rank can compare ("" if nothing)."""
     said = [f"{_name(unit, slots[0])} by {_what(new)}"
             for unit in units for _, slots, new in replaced(unit)]
     return f"; parameters replaced since (on every rank alike): {', '.join(said)}" if said else ""
 
 
 def adopt_replaced(unit) -> bool:
-    """Adopt what was put in the unit's slots (the module note); returns whether anything
-    changed. Raises, naming the cause, for what cannot be adopted."""
+    """Adopt what was put in the unit's slots, or raise; returns whether anything changed."""
     changed = False
     for sp, slots, new in replaced(unit):
         owner = registry.unit_of(new)
@@ -90,10 +64,7 @@ def adopt_replaced(unit) -> bool:
 
 
 def adopt_agreed(units: list, what: str, fix: str) -> None:
-    """For zero's own readers (state dicts, checkpoints), which put their tensors in the slots
-    and would drop a replacement not yet adopted (a tie made after sharding, saved before any
-    forward): agree on ``what`` every rank is about to do and on what each replaced since,
-    then adopt it. One agreement, in place of the reader's own."""
+    """For zero's own readers: agree on ``what`` and on what was replaced, then adopt it."""
     unit = units[0]
     comm.agree(what + pending(units), group=unit.mesh.all_group, ctx=unit.root.context,
                fix=fix)
@@ -102,11 +73,7 @@ def adopt_agreed(units: list, what: str, fix: str) -> None:
 
 
 def refuse_before_backward(unit) -> None:
-    """Backward is about to put the unit's views back in its slots: refuse a parameter
-    replaced since forward, which backward would drop (the module note). The unit's own views
-    are no replacement: stages 1/2 leave them in the slots until the end of backward, so a
-    second output of the unit reached after its gradient completed (T5's position bias, fed
-    to every later block) finds them there."""
+    """Refuse a parameter replaced since forward (backward would drop it), but the unit's views."""
     views = unit.iteration.views or []
     for sp, slots, new in replaced(unit):
         if sp.index < len(views) and new is views[sp.index]:
@@ -135,8 +102,7 @@ def _name(unit, slot: tuple) -> str:
 
 
 def _what(new, shape: bool = False) -> str:
-    """What now sits in a slot, in words that do not differ between ranks doing the same (a
-    shape can: this rank's 1-D piece, converted by ``model.half()``; told when ``shape``)."""
+    """What now sits in a slot, in words alike on every rank (a shape differs: ``shape``)."""
     owner = registry.unit_of(new)
     if owner is not None:
         return f"parameter #{registry.index_of(new)} of unit {owner.name} (a tie)"

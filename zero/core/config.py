@@ -1,14 +1,7 @@
 """What ``zero.shard`` decided for one unit, in two frozen objects: its config and its mesh.
 
-FSDP2 keeps the same split: the policies (``MixedPrecisionPolicy``, ``OffloadPolicy``, the
-collectives) in one place, and who a unit talks to in an ``FSDPMeshInfo``. The mechanism
-reads them; nothing changes them after ``zero.shard``.
-
-- ``UnitConfig``: the stage, the dtypes (mixed precision), the layout, how the flat buffers
-  cross the ranks (the comm policy) and where the shards live (the offload policy);
-- ``MeshInfo``: the ranks a unit is sharded over, and its variants: HSDP (replicas, among
-  which the reduced gradient shard is averaged: ``HSDPMeshInfo``) and hpZ (a smaller group
-  to gather from after forward: ``post_forward``, FSDP2's ``post_forward_mesh_info``).
+FSDP2's split: the policies (``UnitConfig``) and who a unit talks to (``MeshInfo``, FSDP2's
+``FSDPMeshInfo``; ``HSDPMeshInfo``; hpZ's ``post_forward``). Nothing changes them.
 """
 
 from __future__ import annotations
@@ -25,17 +18,13 @@ from zero.core.stage import Stage
 
 @dataclass(frozen=True)
 class UnitConfig:
-    """The policies of one unit (the same for every unit of a model, but for the dtypes of
-    one whose parameters are of another dtype).
+    """The policies of one unit (every unit's alike, but for the dtypes).
 
     Args:
         stage: a ``Stage`` (``zero/core/stage.py``).
-        master_dtype: the parameters' own dtype: the shard's, the optimizer's.
-        param_dtype, reduce_dtype: the compute dtype, and the gradient reduction's.
-        cast_inputs, output_dtype: cast floating forward inputs to ``param_dtype``; cast
-            floating outputs to ``output_dtype`` (None: leave them).
-        layout: the layout class (``zero/api.py``'s ``Layout``).
-        comm: the comm policy (``CommPolicy``); offload: the offload policy (``OffloadPolicy``).
+        master_dtype, param_dtype, reduce_dtype: the shard's, the compute and the reduction's.
+        cast_inputs, output_dtype: cast floating inputs to ``param_dtype``, outputs to this.
+        layout, comm, offload: the ``Layout`` class, ``CommPolicy``, ``OffloadPolicy``.
         device: the compute device.
     """
 
@@ -54,8 +43,7 @@ class UnitConfig:
     def make(cls, stage: Stage, mp_policy, master_dtype: torch.dtype,
              layout: type[api.Layout], comm: api.CommPolicy, offload: api.OffloadPolicy,
              device) -> "UnitConfig":
-        """The dtypes follow FSDP2: ``param_dtype`` None computes in the parameters' dtype,
-        ``reduce_dtype`` None reduces in ``param_dtype``."""
+        """The dtypes follow FSDP2's defaults (None: the parameters', then ``param_dtype``)."""
         param_dtype = (mp_policy and mp_policy.param_dtype) or master_dtype
         reduce_dtype = (mp_policy and mp_policy.reduce_dtype) or param_dtype
         cast = (mp_policy is not None and mp_policy.param_dtype is not None
@@ -66,9 +54,7 @@ class UnitConfig:
 
     @property
     def shards_in_place(self) -> bool:
-        """Stages 1/2 without a cast keep the shard inside the full buffer (``Stage``), when
-        the layout gathers into the buffer the parameters view and the shard stays on the
-        compute device."""
+        """The shard inside the full buffer: the stage's rule, no layout copy, no offload."""
         return (self.stage.shards_in_place(self.param_dtype, self.master_dtype)
                 and not self.layout.copies and self.offload.on_device)
 
@@ -85,12 +71,8 @@ class MeshInfo:
     Args:
         group: the process group the unit is sharded over (None: the world).
         all_group: every rank training (the agreement's group; HSDP's whole mesh).
-        placement: where DTensor parameters are placed (layout "rows"): the user's mesh, or a
-            1-D one over ``group``; else ``group``.
-        post_forward: hpZ: a ``MeshInfo`` over this rank's node, from which backward gathers
-            the parameters (each rank keeps its slice of them over the node after forward).
-    Every collective of the unit goes through its root's ``CommContext``
-    (``zero/core/root.py``), given to each method that issues one.
+        placement: the mesh DTensor parameters are placed on (layout "rows"), else ``group``.
+        post_forward: hpZ: a ``MeshInfo`` over this rank's node, from which backward gathers.
     """
 
     group: Any
@@ -123,16 +105,14 @@ class MeshInfo:
 
 @dataclass(frozen=True)
 class HSDPMeshInfo(MeshInfo):
-    """HSDP: shard within ``group`` (a node), keep one such copy per replica, and average the
-    reduced gradient shards across the replicas (``replicate_group``)."""
+    """HSDP: shard within ``group`` (a node); average across ``replicate_group``."""
 
     replicate_group: Any = None
     replicated = True
 
     def reduce_replicas(self, shard: torch.Tensor, op: str, comm: api.CommPolicy, unit: str,
                         ctx: CommContext) -> None:
-        # HSDP: (S,) -> (S,), averaged over the replicas (the same shard of every replica),
-        # on the all-reduce stream (FSDP2's), which the computation then waits for
+        # HSDP: (S,) -> (S,), averaged over the replicas, on the all-reduce stream (FSDP2's)
         streams = ctx.streams(shard.device)
         with streams.use(streams.all_reduce):
             comm.all_reduce(shard, op=op, group=self.replicate_group, unit=unit,

@@ -1,30 +1,18 @@
 """The flat parameter: one unit's parameters laid end to end in a padded 1-D buffer.
 
-This is the data structure of ZeRO's partitioning (Rajbhandari et al. 2020, section 5) and of
-FSDP1's ``FlatParameter``. A unit's parameters p0, p1, ... of any shapes are flattened and
-concatenated, then zero-padded so the length divides the world size N. Rank r owns the
-contiguous slice ``[r * S, (r + 1) * S)`` of it, where ``S = padded_numel / N``::
+ZeRO's partitioning (Rajbhandari et al. 2020, section 5), FSDP1's ``FlatParameter``: padded
+so its length divides N, rank r owns ``[r * S, (r + 1) * S)``, ``S = padded_numel / N``::
 
     flat:   | p0 ........ | p1 .... | p2 ...... |pad|
     shards: | rank 0        | rank 1        | rank 2        |
 
-A parameter may straddle shards, so what rank r holds of parameter i is a *piece*: a
-contiguous run of p_i's flattened elements. Each parameter has at most one piece per rank
-(the intersection of two intervals), and the pieces of all ranks tile each parameter exactly.
+What rank r holds of parameter i is a *piece*, a contiguous run (notes/01-flat-parameter.md).
 
-Everything here is pure tensor code with no collectives: ``tests/core/test_flat.py`` checks the
-layout with hypothesis on shapes and world sizes.
-
-[Note: the layout interface] Who holds which element of a unit is a policy: this file's flat
-pieces (FSDP1, DeepSpeed), FSDP2's rows (``zero/core/rows.py``) or whole parameters
-(``zero/core/whole.py``). Each is a class made from the parameters' shapes and the world size,
-with the same members: ``padded_numel`` and ``shard_numel`` (the all-gather's buffer, N*S, and
-a rank's slot of it), ``pieces(rank)`` and ``local(rank)`` (which elements rank r holds, and
-where), ``views(compute)`` (the parameters inside the buffer they compute with), and the
-three that let a layout put the parameters elsewhere than the all-gather does:
-``copies`` (whether the gathered buffer must be copied into the compute buffer),
-``from_wire`` / ``to_wire`` (that copy, both ways) and ``exposed`` (the tensor a rank's piece
-is shown to the optimizer as). Here the gathered buffer *is* the compute buffer.
+[Note: the layout interface] Who holds which element is a policy: flat pieces (here),
+FSDP2's rows (``zero/core/rows.py``) or whole parameters (``zero/core/whole.py``), each with
+``padded_numel``, ``shard_numel``, ``pieces``, ``local``, ``views``, and ``copies``,
+``from_wire`` / ``to_wire`` and ``exposed`` for a layout whose gathered buffer is not the
+compute buffer (notes/16-layouts.md).
 """
 
 from __future__ import annotations
@@ -91,11 +79,7 @@ class FlatLayout:
         return flat
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of the original shapes into an unsharded flat buffer (padding excluded).
-
-        One ``split`` makes all views, so in backward autograd builds the flat gradient with
-        a single concatenation (``SplitWithSizesBackward``), not one full-size buffer per view.
-        """
+        """Views of the original shapes into an unsharded flat buffer, by one ``split``."""
         if flat.shape != (self.padded_numel,):
             raise ValueError(f"expected a ({self.padded_numel},) buffer, got {tuple(flat.shape)}")
         pad = self.padded_numel - self.numel
@@ -119,8 +103,7 @@ class LocalShard:
     """One rank's share of a layout: its slot of the flat buffer and its piece of each parameter.
 
     Args:
-        layout: the unit's layout.
-        rank: the rank in the unit's group.
+        layout, rank: the unit's layout, and the rank in the unit's group.
     """
 
     def __init__(self, layout: Layout, rank: int):

@@ -1,9 +1,6 @@
 """What a unit refuses to do: each check below stands between a user and a silent wrong result.
 
-Every one of them was a silent wrong result once (notes/12-model-code.md): a forward after
-``model.half()`` computing with copies the optimizer never updates, a module that cast its own
-weights in forward losing their gradient, backward reading a unit's freed parameters, a deep
-copy whose parameters no longer view its shards. Each raises, naming the fix.
+Each was a silent wrong result once (notes/12-model-code.md); each raises, naming the fix.
 """
 
 from __future__ import annotations
@@ -14,9 +11,7 @@ import contextvars
 from zero.core.param import AS_IS
 from zero.core.same_model import values
 
-# How many of zero's own helpers are reading or writing state dicts right now, in this
-# thread: they put full tensors (or FSDP2's DTensors) in place first, so the guards on
-# ``state_dict()`` / ``load_state_dict()`` (``zero/surface/attach.py``) let them through.
+# zero's own state-dict helpers running in this thread: ``zero/surface/attach.py`` lets them by
 _STATE_DICT_ACCESS: contextvars.ContextVar[int] = contextvars.ContextVar("zero_state_dicts",
                                                                          default=0)
 
@@ -40,16 +35,14 @@ def _key(t) -> int:
 
 
 def converted_after_sharding(unit) -> None:
-    """``model.half()`` / ``.double()`` / ``.to(device)`` after sharding swaps each piece's
-    data for a converted copy that the unit no longer owns: say so before computing."""
+    """Raise if ``model.half()`` / ``.to(device)`` after sharding swapped a piece's data."""
     key = _key(unit.sharded)
     for p, locs in zip(unit.params, unit.locations):
         if not locs:
             continue  # a piece no module uses (a tie made after sharding: zero/core/adoption.py)
         mod, attr = locs[0]
-        if p.is_meta and not unit.sharded.is_meta:  # shown on meta (zero.fully_shard on
-            on_meta(unit, moved=False)  # meta), never given values; (a shard an offload policy
-            # keeps on meta is the policy's: the plan's host)
+        if p.is_meta and not unit.sharded.is_meta:  # (a shard on meta is an offload policy's)
+            on_meta(unit, moved=False)  # shown on meta, never given values
         if (mod._parameters.get(attr) is not p or p.dtype != unit.sharded.dtype
                 or p.device != unit.sharded.device or _key(values(p)) != key):
             converted(unit, p)
@@ -66,8 +59,7 @@ def converted(unit, p) -> None:
 
 
 def on_meta(unit, moved: bool) -> None:
-    """The unit's parameters are on the meta device: never given values (sharded there), or
-    ``moved`` there after sharding. FSDP2 refuses the first at lazy init too."""
+    """The parameters are on meta: never given values, or ``moved`` there after sharding."""
     if not moved:
         raise RuntimeError(
             f"the parameters of unit {unit.name} are still on the meta device: the model was "
@@ -85,8 +77,7 @@ def on_meta(unit, moved: bool) -> None:
 
 
 def replaced_in_forward(unit) -> None:
-    """A module that replaced or cast its own weights in forward (``self.lin.to(fp32)``)
-    computed on something other than our parameters: its gradient is lost. Say so."""
+    """Raise if a module replaced or cast its own weights in forward (its gradient is lost)."""
     key = unit.storage_key()
     for sp, v, locs in zip(unit.sharded_params, unit.iteration.views or [], unit.locations):
         for mod, attr in locs:
@@ -105,8 +96,7 @@ def replaced_in_forward(unit) -> None:
 
 
 def freed_in_backward(unit) -> None:
-    """Called by ``zero/core/saved_tensors.py`` when backward reads a tensor saved from the
-    unit's storage."""
+    """Backward reads a tensor saved from the unit's storage (``zero/core/saved_tensors.py``)."""
     if not unit.is_unsharded:
         raise RuntimeError(
             f"backward needs the parameters of unit {unit.name}, but its flat parameter was "

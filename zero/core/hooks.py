@@ -7,33 +7,17 @@
     post_backward  the unit's flat gradient is complete: reduce-scatter it, free the
                    parameters (stage 3)
 
-FSDP2 has the same four, with the same names. The root's end-of-backward callback
-(``Root.finish_backward``) then hands out the gradients and returns every unit to IDLE.
-This is the only file that hooks modules and autograd for a unit (``install``), and the only
-one that moves a unit through its ``TrainingState``.
+FSDP2's four, same names. The only file that hooks a unit and moves its ``TrainingState``
+(notes/12-model-code.md, "One state per unit").
 
-[Note: the training state] A unit is in exactly one ``TrainingState`` (``zero/core/state.py``):
-IDLE between iterations, FORWARD inside its forward, PRE_BACKWARD once backward has reached
-its output (its parameters gathered for backward), POST_BACKWARD once its gradient is
-complete. A forward or backward that raised leaves some unit elsewhere, and the root's next
-forward resets them all (``Root.begin_forward``).
+[Note: frozen parameters] A frozen weight gives no gradient but is read for the input's: at
+stage 3 a unit with frozen parameters frees them once its inputs' gradients exist
+(``_InputGradients``), as FSDP2 (notes/18-edge-cases.md, "Frozen parameters").
 
-[Note: frozen parameters] The post-accumulate-grad hook says when the unit's *gradient* is
-complete, not when backward is done with its *parameters*: a frozen weight gives no gradient
-but is still read to compute the gradient of the unit's input. So at stage 3 a unit with
-frozen parameters also wraps its inputs in ``_InputGradients``, an identity whose backward
-runs once the inputs' gradients exist, which is when its backward is over (FSDP2 does this
-for every unit); then it frees its parameters. A LoRA-style model, frozen base weights and
-trainable adapters in every block, holds two blocks at a time this way, not all of them.
-
-[Note: a gradient completed inside a recompute] With reentrant checkpointing, a recompute
-runs a backward of its own, and the unit's gradient may complete in it while the outer
-backward still needs the parameters: a forward checkpointed in two pieces recomputes its
-second piece after the first piece's backward. So a stage-3 unit whose gradient completes in
-another backward than the one that reached its outputs (``backward_task``) is freed a little
-later: when the next unit's backward or recompute starts, or at the end of backward
-(``Root.free_deferred``); by then its own backward is over, and no more is held than the
-prefetched unit would hold anyway.
+[Note: a gradient completed inside a recompute] Under reentrant checkpointing a stage-3
+unit's gradient may complete in a recompute's backward (not ``backward_task``) while the
+outer one still needs the parameters: it is freed when the next unit's backward or recompute
+starts, or at the end of backward (``Root.free_deferred``).
 """
 
 from __future__ import annotations
@@ -56,8 +40,7 @@ from zero.core.tree import map_tensors, tensors_in
 
 
 def install(unit) -> None:
-    """Hook each of the unit's modules: ``pre_forward`` before its forward, ``post_forward``
-    after; the other two are hooked on tensors as each forward runs."""
+    """Hook the unit's modules (``pre_forward``, ``post_forward``); the other two go on tensors."""
     for m in unit.modules:
         m.register_forward_pre_hook(partial(pre_forward, unit), with_kwargs=True)
         m.register_forward_hook(partial(post_forward, unit))
@@ -84,9 +67,7 @@ def pre_backward(unit, grad: torch.Tensor) -> None:
 
 
 def post_backward(ref: weakref.ref, leaf: torch.Tensor) -> None:
-    """The unit's flat gradient is complete (post-accumulate-grad hook on ``unsharded``). The
-    hook holds its unit weakly: a tensor's hooks are out of the garbage collector's reach,
-    and a strong reference there would keep a deleted model, shards and all, alive."""
+    """The flat gradient is complete. (Weak: a tensor's hook would keep a deleted model.)"""
     unit = ref()
     if unit is not None:
         with label("post_backward", unit.name):
@@ -179,12 +160,8 @@ def _post_backward(unit, leaf: torch.Tensor) -> None:
     elif unit.config.stage.reduces_when_complete(unit.grads.keeps_full):
         root.reductions.reduce(unit)  # (stage 1 through a cast waits for the end of backward)
     if unit.config.stage.keep_params:
-        # Stages 1/2 give the module its sharded parameters back at the end of backward
-        # (end_iteration): a second checkpointed piece of the unit's forward may still
-        # recompute with the full ones (its gradient then arrives in two parts, grads.py).
-        return
-    # Frozen parameters may still be read for an input gradient: see the module note.
-    if all(p.requires_grad for p in unit.params) or unit.iteration.inputs_done:
+        return  # (the end of backward swaps back: a checkpointed piece may still recompute)
+    if all(p.requires_grad for p in unit.params) or unit.iteration.inputs_done:  # (frozen: note)
         if torch._C._current_graph_task_id() != unit.iteration.backward_task:
             root.defer_reshard(unit)  # completed in a recompute's backward: module note
         else:
@@ -194,11 +171,7 @@ def _post_backward(unit, leaf: torch.Tensor) -> None:
 # ---- a method run as a forward (FSDP2's register_fsdp_forward_method) ----------------------
 
 def pre_forward_method(unit, module: nn.Module, args: Any, kwargs: Any, frame):
-    """A method of ``module`` other than ``forward`` (``generate``, a loss of its own that
-    calls the module's layers) runs as a forward of its unit: ``pre_forward`` before it, and
-    the module's own ``forward``, if the method calls it, runs inside it as a plain call.
-    ``frame`` is the running method's: it marks the unit until ``post_forward_method``. (A
-    method called inside another is a plain call too.)"""
+    """A method (``generate``) runs as the unit's forward; ``frame`` marks the unit meanwhile."""
     outer = in_forward_method(unit)
     args, kwargs = pre_forward(unit, module, args, kwargs)
     if not outer:
@@ -213,16 +186,14 @@ def post_forward_method(unit, module: nn.Module, args: Any, output: Any, frame) 
 
 
 def in_forward_method(unit) -> bool:
-    """Whether a method run as the unit's forward is running (its frame is on the stack).
-    torch's wrapper calls no post-forward when the method raises: then the mark is stale,
-    and the next forward starts afresh (``Root.begin_forward``)."""
+    """Whether a method run as the unit's forward is running (its frame is on the stack)."""
     frame = unit.iteration.method
     if frame is None:
         return False
     f: FrameType | None = sys._getframe(1)
     while f is not None and f is not frame:
         f = f.f_back
-    if f is None:
+    if f is None:  # stale: the method raised, and torch called no post-forward
         unit.iteration.method = None
     return f is not None
 
@@ -230,8 +201,7 @@ def in_forward_method(unit) -> bool:
 # ---- the views the module computes with, and their autograd hooks --------------------------
 
 def use_unsharded_views(unit) -> None:
-    """Compute with views into ``unsharded``, made once per iteration (two forwards before
-    one backward then accumulate their gradients in the order DDP does)."""
+    """Compute with views into ``unsharded``, made once per iteration (notes/12)."""
     wants = tuple(p.requires_grad for p in unit.params)
     it = unit.iteration
     if it.views is None or it.views_for != wants:  # new iteration, or (un)frozen
@@ -246,8 +216,7 @@ def _make_views(unit, wants: tuple[bool, ...]) -> list[torch.Tensor]:
         unit.post_backward_handle = unit.unsharded.register_post_accumulate_grad_hook(
             partial(post_backward, weakref.ref(unit)))
     views = []
-    # Even under no_grad or inference_mode (an eval forward, reentrant checkpointing's
-    # first pass) the views must lead to the leaf: a later forward may reuse them.
+    # (under no_grad too: a later forward may reuse the views)
     with torch.inference_mode(False), torch.enable_grad():
         for i, v in enumerate(unit.layout.views(unit.unsharded)):
             if not wants[i]:

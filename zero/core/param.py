@@ -1,22 +1,10 @@
 """One original parameter of a unit: where the module uses it, and the piece that replaces it.
 
-FSDP2 calls this ``FSDPParam``. A unit (``zero/core/unit.py``) holds one per parameter it
-shards; each knows
-
-- which of the unit's parameters it is (``index``: its place in the layout) and its shape;
-- every (module, attribute) that uses it (a tied weight has several);
-- its sharded form: ``sharded``, an ``nn.Parameter`` of this rank's piece of the unit's shard,
-  shown as the layout shows it (1-D for ``flat``, a ``Shard(0)`` DTensor for ``rows``, the
-  whole shape on its owner for ``whole``). It keeps the original's name in the module, and
-  is what the optimizer steps.
-
-Putting a tensor in the module's slots (``use``) is how a unit switches its module between
-the sharded parameters (between iterations) and views into the gathered buffer (while it
-computes). What the module computes with is the view itself, unless the parameter brings a
-``form`` of its own (``unsharded``): a DTensor on its tensor-parallel mesh
-(``zero/core/placement.py``), or what its tensor subclass builds from the all-gather
-(``zero/features/all_gather_extension.py``). ``accumulate_grad`` is where the parameter's
-reduced gradient arrives.
+FSDP2's ``FSDPParam``: its ``index`` in the layout, every (module, attribute) that uses it,
+and ``sharded``, the ``nn.Parameter`` of this rank's piece the optimizer steps (shown as the
+layout shows it). ``use`` swaps the module between the sharded parameters and views into the
+gathered buffer; a ``form`` (``zero/core/placement.py``,
+``zero/features/all_gather_extension.py``) may compute with something else (``unsharded``).
 """
 
 from __future__ import annotations
@@ -44,12 +32,9 @@ AS_IS = AsIs()
 
 
 class Strided:
-    """The form of a parameter that is not contiguous (a transposed ``nn.Parameter(w.t())``):
-    the module computes with a copy in the parameter's own strides, its gradient going to the
-    view. A view into the flat buffer is contiguous, and some kernels pick their path (and
-    round) by strides, so this is what keeps such a model bit for bit DDP's. The copy is made
-    with the iteration's views and lives as long as they do (one parameter's bytes, kept
-    through stage 3's reshard: the values backward reads are the ones forward read)."""
+    """The form of a non-contiguous parameter (``nn.Parameter(w.t())``): the module computes
+    with a copy in its own strides, since some kernels round by strides (bit for bit DDP's).
+    The copy lives as long as the iteration's views, through stage 3's reshard."""
 
     sends = False
 
@@ -82,8 +67,7 @@ class ShardedParam:
         self.form: api.ParamForm = AS_IS if stride is None else Strided(stride)
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
-        """What the module computes with, given this parameter's view into the unit's full
-        buffer (FSDP2's unsharded parameter): the view, or the parameter's own form of it."""
+        """What the module computes with (FSDP2's unsharded parameter): the view, or its form's."""
         return self.form.unsharded(view)
 
     def free_unsharded(self) -> None:
@@ -91,8 +75,7 @@ class ShardedParam:
         self.form.free()
 
     def use(self, tensor: torch.Tensor) -> None:
-        """Put ``tensor`` wherever the module uses the parameter (a plain tensor: a view into
-        the gathered buffer, through which autograd reaches the unit's flat leaf)."""
+        """Put ``tensor`` wherever the module uses the parameter."""
         for mod, attr in self.locations:
             mod._parameters[attr] = tensor
 
@@ -100,18 +83,13 @@ class ShardedParam:
         self.use(self.sharded)
 
     def take_slots(self, other: "ShardedParam", slots: list) -> None:
-        """``slots`` of ``other`` now hold this parameter (a tie made after sharding): they
-        become this parameter's, as a tie made before sharding is one parameter in several
-        places (``zero/core/adoption.py``). ``other`` keeps the rest of its slots, if any;
-        with none left, its piece of the shard is unused."""
+        """``slots`` of ``other`` hold this parameter now (a tie made after sharding)."""
         other.locations = [loc for loc in other.locations if loc not in slots]
         self.locations = self.locations + [loc for loc in slots if loc not in self.locations]
 
     def adopt(self, new: torch.Tensor, piece: torch.Tensor, exposed: torch.Tensor,
               unit: str) -> nn.Parameter:
-        """``new`` replaced this parameter in the module: take its values into ``piece`` (this
-        rank's part of the unit's shard) and make it the sharded parameter, its data the piece
-        as the layout shows it (``exposed``). Returns the sharded parameter."""
+        """Take ``new``'s values into ``piece``; return it as the sharded parameter."""
         local = new.to_local() if isinstance(new, DTensor) else new
         # (a DTensor's full shape; the unit's own is its local one under tensor parallel)
         shape = exposed.shape if isinstance(exposed, DTensor) else self.shape
@@ -151,21 +129,12 @@ class ShardedParam:
         return new
 
     def accumulate_grad(self, grad: torch.Tensor | None) -> None:
-        """This rank's piece of the reduced gradient: into ``sharded.grad`` (added to what is
-        there), then the parameter's post-accumulate-grad hooks, with the sharded parameter,
-        as FSDP2 runs them after its reduce-scatter. Autograd never reaches ``sharded`` (the
-        module computes with views of the unit's flat buffer), so it never runs them itself;
-        an optimizer stepped in such a hook (torchtune's ``optimizer_in_bwd``) would
-        otherwise train nothing. ``grad`` None: this rank holds none of the parameter (layout
-        "whole"); the hooks run all the same, on every rank, with ``.grad`` as it is (None
-        unless set before), as ``opt.step()`` runs on every rank: a step in the hook then
-        marks the unit stepped on every rank, and the next forward agrees."""
+        """Add this rank's piece of the reduced gradient to ``sharded.grad``, then run the
+        parameter's post-accumulate-grad hooks, as FSDP2 does (autograd never reaches
+        ``sharded``; torchtune's ``optimizer_in_bwd``). ``grad`` None (layout "whole", not the
+        owner): the hooks run all the same, on every rank, as ``opt.step()`` does."""
         p = self.sharded
-        if grad is None:
-            pass
-        elif p.grad is None:
-            p.grad = grad
-        else:
-            p.grad += grad
+        if grad is not None:
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
         for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(p)

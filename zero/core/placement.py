@@ -1,17 +1,10 @@
 """Where a parameter sits besides zero's rows: FSDP2's shard dim, and a tensor-parallel mesh.
 
-The rows layout (``zero/core/rows.py``) cuts each parameter along dim 0 over the
-data-parallel ranks. FSDP2 composes that cut with two things a parameter may bring
-(``FSDPParam._init_sharded_param`` in torch's ``_fsdp_param.py``), and so does zero, one
-``Placement`` per parameter:
+One ``Placement`` per parameter, as FSDP2's ``FSDPParam._init_sharded_param`` composes
+(notes/16-layouts.md, "rows, composed"):
 
-- ``shard_placement_fn`` may ask for another dim, ``Shard(d)`` (torchtitan's answer to MoE
-  experts with fewer rows than ranks). FSDP2 then requires dim d to divide evenly and
-  copies: its buffers hold the parameter's chunks along d, stacked along dim 0
-  (``torch.cat(torch.chunk(p, N, dim=d))``), and it copies them back after each all-gather.
-  So does zero: a parameter "in rows" is that stack (``in_rows``), so the rows layout and
-  every collective stay what they are for dim 0, and only the copies into and out of the
-  layout's buffers move the chunks (``stack`` / ``unstack``).
+- ``Shard(d)``: the parameter "in rows" is its chunks along d stacked on dim 0 (``in_rows``),
+  so only the copies move chunks (``stack`` / ``unstack``).
 
       a parameter (2, 4), Shard(1), N = 2:      in rows, (4, 2):
           | a0 a1 | b0 b1 |                         | a0 a1 |  rank 0's rows: its chunk
@@ -19,20 +12,8 @@ data-parallel ranks. FSDP2 composes that cut with two things a parameter may bri
                                                     | b0 b1 |  rank 1's rows
                                                     | b2 b3 |
 
-- The parameter may already be a ``DTensor`` on a tensor-parallel mesh
-  (``parallelize_module(block, mesh["tp"], ColwiseParallel())``). Its *local* tensor is what
-  the data-parallel ranks share: zero shards that, by rows, exactly as a plain parameter.
-  What the optimizer sees is a DTensor on the two meshes together, ``(dp, tp)``, placed
-  ``(dp's, *tp's)``: FSDP2's ``_StridedShard(0, split_factor=k)`` for dp when tp also cuts
-  dim 0 into k (the rows a rank holds are then every k-th block of the full parameter, not
-  one run), ``Shard(0)`` otherwise; ``(Replicate(), dp's, *tp's)`` under HSDP. What the
-  module computes with is a DTensor on the tp mesh over the gathered local tensor
-  (``unsharded``, ``DTensor.from_local``), whose backward puts the gradient in the
-  parameter's own placements first (a ``Partial`` gradient of a replicated norm weight is
-  all-reduced over tp), as FSDP2's ``_get_grad_inner_tensor`` does before it reduces.
-
-A plain parameter has a ``Placement`` too (dim 0, no mesh of its own), so the layout asks
-every parameter the same questions.
+- A tensor-parallel ``DTensor``: its *local* tensor is sharded by rows; the optimizer sees a
+  DTensor on ``(dp, tp)`` (``sharded``), the module one on the tp mesh (``unsharded``).
 """
 
 from __future__ import annotations
@@ -52,11 +33,9 @@ class Placement:
     """One parameter's place besides its rows (see the module note).
 
     Args:
-        local_shape: the tensor the data-parallel ranks share (a DTensor's local tensor).
-        world_size: N, the data-parallel ranks that share it.
+        local_shape: the tensor the N = ``world_size`` data-parallel ranks share.
         dim: FSDP2's shard dim (``Shard(dim)``).
-        spec: the parameter's own DTensor spec (its tensor-parallel mesh, placements and
-            global shape), or None for a plain tensor.
+        spec: the parameter's own DTensor spec (tp mesh, placements, shape), or None.
     """
 
     sends = False  # (its local rows go as any parameter's)
@@ -91,49 +70,42 @@ class Placement:
     # ---- the parameter in rows, and back ---------------------------------------------------
 
     def _blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (the local tensor's elements, in order) as (before d, N, the rest): block
-        [:, r] is rank r's chunk along d."""
+        """``t`` as (before d, N, the rest): block [:, r] is rank r's chunk along d."""
         pre = math.prod(self.local_shape[: self.dim])
         return t.reshape(-1).view(pre, self.world_size, -1)
 
     def in_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """The local tensor as the rows layout holds it: itself for dim 0, a copy of its
-        chunks along d stacked on dim 0 otherwise (FSDP2's ``torch.cat(torch.chunk(...))``)."""
+        """The local tensor in rows: itself for dim 0, else its chunks along d stacked (a copy)."""
         if self.dim == 0:
             return local
         return torch.cat(torch.chunk(local, self.world_size, dim=self.dim)).view(self.rows_shape)
 
     def stack(self, region: torch.Tensor) -> torch.Tensor:
-        """(N, c) rank-major rows, a copy, of the parameter's region of a compute buffer (the
-        parameter in its own shape): before a reduce-scatter (dim d > 0 only)."""
+        """(N, c) rank-major rows (a copy) of the parameter's region, before a reduce-scatter."""
         return self._blocks(region).transpose(0, 1).reshape(self.world_size, -1)
 
     def unstack(self, rows: torch.Tensor, region: torch.Tensor) -> None:
-        """The inverse: (N, c) rank-major rows into the parameter's region, after an
-        all-gather (dim d > 0 only)."""
+        """The inverse: (N, c) rank-major rows into the parameter's region, after an all-gather."""
         pre = math.prod(self.local_shape[: self.dim])
         self._blocks(region).copy_(rows.reshape(self.world_size, pre, -1).transpose(0, 1))
 
     # ---- how it is shown ------------------------------------------------------------------
 
     def sharded_shape(self, rows: int) -> torch.Size:
-        """The shape of a rank's chunk holding ``rows`` rows in rows (dim 0: rows of the
-        local tensor; dim d: the chunk along d, whole)."""
+        """The shape of a rank's chunk of ``rows`` rows in rows."""
         if self.dim == 0:
             return torch.Size([rows, *self.local_shape[1:]])
         return torch.Size([*self.local_shape[: self.dim], self.local_shape[self.dim] //
                            self.world_size, *self.local_shape[self.dim + 1:]])
 
     def placements(self, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple]:
-        """The mesh and placements of the sharded parameter over the data-parallel ``mesh``
-        (1-D, or 2-D HSDP's (replicate, shard)): FSDP2's, placement for placement."""
+        """FSDP2's mesh and placements of the sharded parameter over the dp ``mesh``."""
         if mesh in self._spmd:
             return self._spmd[mesh]
         dp_mesh = mesh
         dp: Shard | _StridedShard = Shard(self.dim)
         if self.spec is not None:
-            # tp cuts dim d into k too: a dp rank's rows are every k-th block of the full
-            # parameter (FSDP2's split factor: the tp shards on d)
+            # tp cuts dim d into k too: a dp rank's rows are every k-th block (FSDP2's)
             k = self.spec.num_shards_map[self.dim]
             dp = _StridedShard(self.dim, split_factor=k) if k > 1 else dp
         placements = (Replicate(), dp) if dp_mesh.ndim == 2 else (dp,)
@@ -144,9 +116,7 @@ class Placement:
         return mesh, placements
 
     def sharded(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        """This rank's chunk (``local``, in ``sharded_shape``) as FSDP2 shows the sharded
-        parameter or its gradient: a DTensor of the full shape over the data-parallel mesh,
-        and the tensor-parallel one if the parameter has one."""
+        """This rank's chunk as FSDP2 shows the sharded parameter: a DTensor of the full shape."""
         spmd, placements = self.placements(mesh)
         shape = self.shape
         stride = self.spec.stride if self.spec is not None else \
@@ -155,9 +125,7 @@ class Placement:
                                   stride=stride)
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
-        """What the module computes with, given the parameter's view into the unit's full
-        buffer: the view itself, or a DTensor on the tensor-parallel mesh over it (its
-        backward redistributes the gradient to the parameter's own placements)."""
+        """What the module computes with: the view, or a DTensor on the tp mesh over it."""
         if self.spec is None:
             return view
         return DTensor.from_local(view, self.spec.mesh, self.spec.placements, run_check=False,
@@ -172,8 +140,7 @@ class Placement:
 
 
 def chosen_dim(shard_placement_fn, name: str, p: torch.Tensor) -> int:
-    """The dim ``shard_placement_fn`` (FSDP2's) chooses for ``p`` (None: 0), made
-    non-negative; raises naming ``name`` for what FSDP2 would refuse too."""
+    """The dim ``shard_placement_fn`` chooses for ``p`` (None: 0); raises as FSDP2 would."""
     chosen = shard_placement_fn(p) if shard_placement_fn is not None else None
     if chosen is None:
         return 0
@@ -192,9 +159,7 @@ def placements_of(params, world_size: int, shard_placement_fn=None) -> list[Plac
 
 
 def check(layout: type[Layout], names, world_size: int, mesh, shard_placement_fn=None) -> None:
-    """Raise, naming the parameter and what to do, if a parameter of a unit about to be made
-    cannot be placed: a tensor-parallel DTensor or a ``Shard(d)`` under a layout that cannot
-    place parameters (only "rows" can), a placement FSDP2 refuses too."""
+    """Raise, naming the parameter and the fix, if a parameter cannot be placed."""
     for name, p in names:
         dim = chosen_dim(shard_placement_fn, name, p)
         spec = p._spec if isinstance(p, DTensor) else None
@@ -215,8 +180,7 @@ def check(layout: type[Layout], names, world_size: int, mesh, shard_placement_fn
 
 
 def _check_tensor_parallel(what: str, spec, mesh) -> None:
-    """A tensor-parallel parameter: a 1-D tp mesh, and a data-parallel mesh that combines
-    with it (both cut from one mesh, as FSDP2 requires)."""
+    """A 1-D tp mesh, and a dp mesh that combines with it (as FSDP2 requires)."""
     if len(spec.placements) != 1 or not isinstance(spec.placements[0], (Shard, Replicate)):
         raise ValueError(f"{what}: zero composes with tensor parallel on a 1-D mesh, placed "
                          "Shard(d) or Replicate(); give it such a DTensor")
@@ -232,10 +196,7 @@ def _check_tensor_parallel(what: str, spec, mesh) -> None:
 
 
 def lay_out(layout: type[Layout], params, world_size: int, shard_placement_fn=None):
-    """The layout class for a unit of ``params`` and the tensors it lays out (``check``ed
-    first): ``layout`` and ``params`` themselves when every parameter is plain; else the
-    layout ``placing`` them, and each parameter's local values in rows (a copy only for
-    ``Shard(d > 0)``), requiring grad as the parameter does."""
+    """The layout class, the tensors it lays out (local values in rows) and the placements."""
     placements = placements_of(params, world_size, shard_placement_fn)
     if all(p.plain for p in placements) and all(values(p) is p for p in params):
         return layout, list(params), placements
@@ -248,16 +209,13 @@ def lay_out(layout: type[Layout], params, world_size: int, shard_placement_fn=No
 
 
 def forms(placements) -> list:
-    """Per parameter: how to make its form if it is tensor parallel (it computes as a DTensor
-    on its mesh: its ``Placement`` is that form), else None."""
+    """Per parameter: its form's maker if tensor parallel (its ``Placement``), else None."""
     return [None if p.spec is None else (lambda sp, p=p: p) for p in placements]
 
 
 def refuse(units, what: str, fix: str, *, any_dim: bool = False) -> None:
     """Raise, naming ``fix``, if a parameter of ``units`` is tensor parallel (or, with
-    ``any_dim``, placed along any dim but 0): ``what`` reads the unit's shards as if they
-    were the whole parameter's rows over the data-parallel ranks, which they then are not.
-    Every rank holds the same placements (agreed at sharding), so every rank raises."""
+    ``any_dim``, not on dim 0): ``what`` reads shards as dim-0 rows. Every rank raises."""
     for unit in units:
         for i, p in enumerate(getattr(unit.layout, "placements", ())):
             if p.spec is not None or (any_dim and p.dim != 0):

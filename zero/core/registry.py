@@ -1,15 +1,9 @@
 """Who owns what: the marks zero leaves on modules and parameters, written and read only here.
 
-``zero.shard`` replaces each parameter of a module by this rank's piece of it, and the rest of
-the package needs to find its way back: from a piece to its unit, from a module to the units
-made from it, from an original parameter to the unit that replaced it. These are the marks:
-
     piece._zero_unit, piece._zero_index   the unit a sharded parameter belongs to, its index
     module._zero_units                    the units zero.shard(module) made (trainable, frozen)
     original._zero_replaced               the unit that replaced this original parameter
     param._zero_ignored                   left whole by ``ignored_params``
-
-Every other file asks through these functions, so the marks can change in one place.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def index_of(param) -> int:
 
 
 def piece_of(param):
-    """The ``flat.Piece`` of its original parameter that the sharded ``param`` holds on this
-    rank (where its elements sit in the original and in the shard), or None if it holds none."""
+    """The ``flat.Piece`` the sharded ``param`` holds on this rank, or None."""
     unit = unit_of(param)
     return None if unit is None else unit.local.pieces.get(index_of(param))
 

@@ -1,27 +1,9 @@
 """The root: the unit with no unit above it, and the per-root context every unit under it shares.
 
-FSDP2 has the same idea: its root state, and one ``FSDPCommContext`` that every parameter
-group under the root points at (its lazy init re-points them). Here each ``zero.shard`` call
-makes a ``Root`` for its units, holding what the call was given that concerns the whole model
-(the backend, in a ``CommContext``; the prefetch depth or a schedule); the call that shards a
-parent takes the units below over (``Root.take``), so that every unit of a model points at one
-``Root``, its top's. What was given to a unit below and differs from what the root was given
-is refused there, never ignored. Only the root can
-- name the units by their paths and list them (lazily, at the first forward);
-- start each iteration clean: if the last forward or backward raised part-way, some unit
-  is still mid-iteration, and ``begin_forward`` resets every unit first (discarding the
-  failed iteration's gradients, as FSDP2's ``reset_iter_state`` does);
-- agree with the other ranks on what happened since the last forward, before any unit
-  gathers (``zero/comm/agree.py``), and broadcast buffers if asked (DDP's way);
-- hold the comm context with its streams (``zero/comm/context.py``), the schedule of
-  prefetches (``zero/core/schedule.py``, or the one given), the order reductions start in
-  (``zero/core/reductions.py``) and the guard against reading freed parameters
-  (``zero/core/saved_tensors.py``);
-- queue one callback for the end of backward that finishes every unit: the last
-  reduce-scatters (and stage 1's in mixed precision), agreeing on which parameters got a
-  gradient, handing the gradient shards to the parameters, and freeing stage 3's parameters.
-
-The root's duties live in one ``Root`` object, which each unit points at (``unit.root``).
+FSDP2's root state and its ``FSDPCommContext``. The ``zero.shard`` of a parent takes the
+units below over (``Root.take``); only the root names them, starts each iteration clean
+(``begin_forward``), agrees with the other ranks and ends backward (``finish_backward``).
+notes/12-model-code.md, "One state per unit".
 """
 
 from __future__ import annotations
@@ -53,10 +35,7 @@ def root_of(unit) -> "Root":
 
 
 class Order:
-    """The units of a root in the order their forward ran (``zero/api.py``'s ``Order``):
-    began (``this_iteration``, ``last_iteration``) and ended (``post_forward``, FSDP2's
-    ``post_forward_order``, which backward runs in reverse: the root, whose forward ends
-    last, first)."""
+    """The units in the order their forward began and ended (``zero/api.py``'s ``Order``)."""
 
     def __init__(self, units: list):
         self.units = units
@@ -71,8 +50,7 @@ class Order:
         self.post_forward = []
 
     def end(self) -> None:
-        """Backward is over: this iteration's order is the one to prefetch by (the next
-        forward's); backward's is spent (FSDP2 clears its post-forward order there too)."""
+        """Backward is over: this iteration's order is the next forward's to prefetch by."""
         self.last_iteration, self.this_iteration = self.this_iteration, []
         self.post_forward = []
 
@@ -104,9 +82,7 @@ class Root:
 
     @staticmethod
     def refuse_conflicts(given: dict, below: "Root") -> None:
-        """The root's ``zero.shard`` was ``given`` these; ``below``, the root of units it is
-        about to take over, must have been given the same, or nothing: a backend, a prefetch
-        depth or a schedule of a unit below the root would otherwise be overruled unsaid."""
+        """Raise unless ``below`` (to be taken over) was given the same as ``given``, or nothing."""
         where = below.unit.name if below.unit is not None else "a unit below"
         for what in GIVEN:
             theirs, ours = below.given.get(what), given.get(what)
@@ -121,16 +97,14 @@ class Root:
                     "every unit under it, as FSDP2's units share their root's context")
 
     def take(self, below: "Root") -> None:
-        """A parent sharded over the units of ``below`` (a root until now): they point here
-        from now on (``refuse_conflicts`` first)."""
+        """The units of ``below`` (a root until now) point here from now on."""
         self.context.take_names(below.context)
         for u in below.members:
             u.attach(self)
         self.members = below.members + self.members
 
     def share_context(self, context) -> None:
-        """torch's ``share_comm_ctx``: this root's collectives go through ``context`` (and
-        its streams) from now on, shared with other roots (pipeline stages, say)."""
+        """torch's ``share_comm_ctx``: collectives through ``context`` from now on."""
         context.take_names(self.context)
         self.context = context
 
@@ -157,8 +131,7 @@ class Root:
 
     @property
     def schedule(self) -> api.Schedule:
-        """The prefetch policy: the one given to the root's ``zero.shard``, or zero's own with
-        the depth given there (1 by default, FSDP2's)."""
+        """The schedule given to the root's ``zero.shard``, or zero's own (``prefetch``, 1)."""
         if self._schedule is None:
             given = self.given.get("schedule")
             self._schedule = given if given is not None else Schedule(
@@ -180,9 +153,7 @@ class Root:
     # ---- prefetching, as the schedule says ---------------------------------------------
 
     def forward_started(self, unit) -> None:
-        """``unit`` starts its forward: record it, and start gathering the units the user's
-        list names (``set_modules_to_forward_prefetch``), or else those the schedule says,
-        while it computes."""
+        """``unit`` starts its forward: record it, and prefetch."""
         if unit is self.unit:
             self.order.begin()
         self.order.this_iteration.append(unit)
@@ -194,17 +165,12 @@ class Root:
         self.order.post_forward.append(unit)
 
     def backward_started(self, unit) -> None:
-        """``unit`` starts its backward: start gathering what the user's list or the schedule
-        says. The reduction in flight runs on under this backward: the next unit's
-        post-backward ends it (``zero/core/reductions.py``), as FSDP2's does."""
+        """``unit`` starts its backward: prefetch what the user's list or the schedule says."""
         for prev in self._prefetches(unit, "backward"):
             prev.prefetch("backward")
 
     def _prefetches(self, unit, phase: str) -> list:
-        """The units to gather ahead while ``unit`` computes ``phase``: the user's explicit
-        list (FSDP2's prefetch setters) whatever schedule is plugged in, else the schedule's
-        answer, checked, deduplicated and put in an order every rank shares (a schedule that
-        answered in another order on each rank would pair gathers of different units)."""
+        """The user's list, else the schedule's answer, checked and in every rank's order."""
         explicit = getattr(unit.controls, f"{phase}_prefetch")
         if explicit is not None:
             return explicit
@@ -241,8 +207,7 @@ class Root:
     # ---- the start of an iteration ---------------------------------------------------
 
     def begin_forward(self) -> None:
-        """The root's forward starts: reset what a failure left behind, agree with the other
-        ranks on what happened since the last forward, refresh the written shards."""
+        """Reset what a failure left behind, agree with the other ranks, refresh the shards."""
         stuck = {u.iteration.state for u in self.units} - {TrainingState.IDLE}
         if self._callback_queued or stuck - {TrainingState.FORWARD}:
             warnings.warn(
@@ -271,9 +236,7 @@ class Root:
 
     def _since_last_forward(self, written: list) -> str:
         names = lambda units: ", ".join(u.name for u in units) or "none"  # noqa: E731
-        # Units run in another order on another rank pair their collectives wrongly: stage 3's
-        # all-gathers, stage 2/3's reduce-scatters (a check before each collective would tell
-        # at once: ZERO_CHECK). Stage 1 starts its reductions in a fixed order (reductions.py).
+        # The order matters where collectives follow it: stage 3's gathers, stage 2/3's reductions
         ran = self.order.this_iteration or self.order.last_iteration
         order = ""
         if self.unit.config.stage.frees_parameters:
@@ -328,10 +291,7 @@ class Root:
             self.order.end()  # the next backward, of another micro-batch, prefetches by it too)
         self.reductions.finish(synced)
         self.deferred = []
-        # A parameter unused on this rank may be used on another: agree on "used" (max),
-        # like DDP's find_unused_parameters, with one small all-reduce per backward, on the
-        # host (the note on the host side in zero/comm/ledger.py), in flight while the last
-        # reduce-scatters end.
+        # Agree on "used", like DDP's find_unused_parameters (zero/comm/ledger.py's host note)
         used = [f for u in synced for f in u.grads.used]
         flags = work = None
         if used and not self.context.simulated(self.unit.mesh.group):

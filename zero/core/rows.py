@@ -1,23 +1,13 @@
 """FSDP2's layout: every parameter cut along dim 0, each rank holding its rows of each one.
 
-``fully_shard`` chunks each parameter like ``torch.chunk``: with ``c = ceil(d0 / N)`` rows a
-chunk, rank r holds rows ``[r*c, (r+1)*c)`` clipped to ``d0`` (the last ranks may hold fewer
-rows, or none). A rank's shard is its chunks laid end to end, each padded to c rows, so every
-shard has the same size S = sum of c*row over the unit. The all-gather's buffer is then
-*rank-major*; the parameters need it *parameter-major*::
+As ``torch.chunk``, ``c = ceil(d0 / N)`` rows a rank, padded to c. Gathered rank-major, the
+parameters need it parameter-major::
 
     gathered (N, S):      | r0: p0 rows 0-1 | p1 rows 0-2 || r1: p0 rows 2-3 | p1 rows 3-5 |
     compute (N*S,):       | p0: rows 0-3 (+ padding)     || p1: rows 0-5 (+ padding)     |
 
-So after each all-gather the rows are copied out into the buffer the parameters view
-(``from_wire``, one ``split_with_sizes_copy``, as FSDP2 does), and before each reduce-scatter
-the gradient is copied back in (``to_wire``, one ``cat``, FSDP2's ``_chunk_cat``). The buffers
-are FSDP2's, element for element, so the sums over ranks happen in FSDP2's order at any world
-size. Each rank's parameters are ``DTensor``s with ``Shard(0)`` placement, of the full logical
-shape, whose local tensors are its rows: views into the unit's shard, as FSDP2 shows them, so
-that code written for FSDP2 (torch's ``clip_grad_norm_``, DCP's state dicts) works unchanged.
-
-The interface is ``zero/core/flat.py``'s (its note); pure index math but for ``exposed``.
+so ``from_wire`` / ``to_wire`` copy, as FSDP2 (notes/16-layouts.md, "rows: FSDP2's"). The
+interface is ``zero/core/flat.py``'s (its note).
 """
 
 from __future__ import annotations
@@ -44,8 +34,7 @@ class RowsLayout:
     """FSDP2's dim-0 chunks (see the module docstring).
 
     Args:
-        shapes: the parameters' shapes as laid out, each at least 1-d (FSDP2 rejects 0-d
-            parameters): a tensor-parallel parameter's local shape; ``Shard(d)``'s stack.
+        shapes: the parameters' shapes as laid out (a tp local shape; ``Shard(d)``'s stack).
         world_size: N.
     """
 
@@ -58,9 +47,7 @@ class RowsLayout:
 
     @classmethod
     def placing(cls, placements: Sequence[Placement]) -> type:
-        """This layout for a unit whose parameters bring placements of their own (FSDP2's
-        ``Shard(d)``, a tensor-parallel mesh): a class made from the shapes and the world
-        size as the mechanism makes every layout, which knows each parameter's placement."""
+        """This layout, as a class that knows each parameter's placement (``Shard(d)``, tp)."""
         return type(cls.__name__, (cls,), {"placements": tuple(placements)})
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int):
@@ -146,10 +133,7 @@ class RowsLayout:
         return torch.cat(regions, dim=1).view(-1)
 
     def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
-        """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a DTensor of the full shape
-        over the unit's mesh (the ``DeviceMesh`` given as ``group``: ``Shard(0)``; a 2-D one is
-        HSDP's, (replicate, shard): ``(Replicate(), Shard(0))``; with a tensor-parallel mesh
-        too, ``zero/core/placement.py``), whose local tensor views ``piece``."""
+        """Rank ``rank``'s rows of parameter i as FSDP2 shows them: a DTensor viewing ``piece``."""
         if not isinstance(group, DeviceMesh):
             raise TypeError("layout='rows' places its DTensors on a DeviceMesh (zero.shard "
                             f"makes one per unit), got {type(group).__name__}")
@@ -159,8 +143,7 @@ class RowsLayout:
 
 
 class CopiedOut:
-    """An all-gather into a layout's own buffer (``rows``): ``wait()`` copies it out into the
-    buffer the parameters view, and lets the gathered one go."""
+    """An all-gather into the wire buffer; ``wait()`` copies it out where the parameters view."""
 
     def __init__(self, work: Work, layout: Layout, wire: torch.Tensor, compute: torch.Tensor):
         self.work, self.layout, self.wire, self.compute = work, layout, wire, compute
@@ -174,12 +157,9 @@ class CopiedOut:
 def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor,
                    forms: dict[int, SendingForm], mesh: DeviceMesh, *, group, unit: str,
                    phase: str, ctx: Comm) -> Work:
-    """A unit's all-gather when some parameters' forms decide what they send (``forms``: index
-    -> ``SendingForm``, FSDP2's all-gather extension): one collective of this rank's plain
-    rows, in ``full``'s dtype, and each such form's inputs, as bytes when their dtypes differ
-    (FSDP2 packs them so). ``wait()`` leaves ``full`` (N*S,) rank-major with every rank's
-    plain rows, and each form's outputs filled (``mesh``: the forms' data-parallel mesh; of a
-    2-D HSDP one, the shard dim)."""
+    """One all-gather of the plain rows and each ``SendingForm``'s inputs (FSDP2's all-gather
+    extension; as bytes when dtypes differ). ``wait()`` fills ``full`` (N*S,) rank-major and
+    the forms' outputs."""
     n = layout.world_size
     if mesh.ndim == 2:  # (HSDP's (replicate, shard): the shard dim, by the mesh's own names)
         mesh = mesh[cast(tuple, mesh.mesh_dim_names)[-1]]
@@ -205,8 +185,7 @@ def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor,
 
 
 class _Arrived:
-    """``gather_sending``'s all-gather in flight; ``wait()`` copies each piece where it goes
-    (FSDP2's ``split_with_sizes_copy``) and hands the forms their outputs."""
+    """``gather_sending``'s all-gather in flight; ``wait()`` copies each piece where it goes."""
 
     def __init__(self, work, send, got, goes, sizes, mixed, forms, param_dtype, n):
         self.work, self.send, self.got, self.goes = work, send, got, goes  # (alive till then)

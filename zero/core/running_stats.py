@@ -1,13 +1,7 @@
 """Running statistics drift apart across ranks unless someone keeps them together: say so.
 
-BatchNorm (and InstanceNorm with ``track_running_stats=True``) updates ``running_mean`` and
-``running_var`` in every training forward, from this rank's batch. Nothing reduces them, so
-each rank's copy follows its own data, and an evaluation or a checkpoint reads one rank's
-(the issue's case: eval outputs 0.035 apart after 3 steps, 2 ranks). DDP broadcasts rank 0's
-buffers before every forward (its ``broadcast_buffers=True`` default); FSDP2 does not, and
-neither does zero unless asked (``zero.shard(model, broadcast_buffers=True)``, the root's
-call). The default stays FSDP2's, which costs nothing, but the root's first forward warns
-once when a model holds such statistics and nothing keeps them together.
+BatchNorm's stats follow each rank's batch (the issue's case: eval outputs 0.035 apart after
+3 steps); DDP broadcasts them, FSDP2 does not, zero warns (notes/13-agreement.md).
 """
 
 from __future__ import annotations
@@ -16,8 +10,7 @@ import warnings
 
 
 def warn_if_they_drift(top) -> None:
-    """Warn once (at the root's lazy init) if the model of ``top`` (the root unit) has
-    running statistics, ranks to differ on, and no broadcast of its buffers."""
+    """Warn once if the root unit ``top``'s model has running statistics and no broadcast."""
     if top.controls.broadcast_buffers or top.root.context.world_size(top.mesh.all_group) < 2:
         return
     tracked = [name for name, m in top.modules[0].named_modules()

@@ -1,13 +1,8 @@
 """Every rank must shard the same model: the same structure, and the same values.
 
-``zero.shard`` pairs every rank's units collective by collective, so ranks that built
-different models (another size, a forgotten layer) would exchange the wrong data; and ranks
-whose values differ (weights loaded on rank 0 only) would each train their own model, half of
-it random init, silently. So before the first collective of a unit the ranks agree on its
-description (``same_model``: module classes, stage, policies, each parameter's name, shape,
-dtype), and then compare a fingerprint of its values (``check_same_values``), or take rank
-0's (``sync_module_states=True``, FSDP1's name: ``take_rank0_values``). A difference raises
-on every rank, naming what differs first.
+The ranks agree on each unit's description, then compare a fingerprint of its values
+(``check_same_values``) or take rank 0's (``sync_module_states=True``, FSDP1's name):
+notes/08-checkpoints.md, "Weights loaded before sharding".
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ AGREED = ("the same model (same structure, shapes, dtypes, requires_grad) and ca
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind ``t``: a DTensor's local tensor; a tensor subclass's one inner
-    tensor (``__tensor_flatten__``, how torch.compile takes such a tensor apart)."""
+    """The plain tensor behind ``t``: a DTensor's local one; a subclass's inner one."""
     if isinstance(t, DTensor):
         t = t._local_tensor
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
@@ -38,8 +32,7 @@ def values(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_same_description(desc: list, group, ctx: CommContext) -> None:
-    """Agree on ``desc`` (zero.shard's description of a unit); raise naming the first
-    difference, on every rank, if the ranks' differ."""
+    """Agree on ``desc``; raise naming the first difference, on every rank, if they differ."""
     try:
         comm.agree(f"shard {desc}", group=group, error=ValueError, ctx=ctx,
                    fix=f"Ranks shard different modules: build {AGREED}")
@@ -52,10 +45,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # Python's default repr: where it 
 
 
 def describe(policy, depth: int = 2) -> str:
-    """A policy in words the ranks can compare: its class and fields if its class wrote no
-    ``__repr__`` (Python's default names the object's address, which differs on every rank,
-    and would read as ranks sharding different modules); else its repr, any address in it
-    (an inner object's) left out."""
+    """A policy in words the ranks can compare (no address, which differs on every rank)."""
     kind = type(policy)
     if kind.__repr__ is object.__repr__ and hasattr(policy, "__dict__") and depth > 0:
         fields = ", ".join(f"{k}={describe(v, depth - 1)}" for k, v in sorted(vars(policy).items()))
@@ -95,12 +85,7 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits
 
 
 def fingerprint(names) -> torch.Tensor:
-    """(P,) int64: per parameter, a weighted sum of the bits of up to ``_SAMPLES`` of its
-    elements, evenly spaced. Exact integer arithmetic: equal values give equal sums on any
-    rank, in any order; a parameter from another init or checkpoint differs almost surely.
-    A DTensor's local values are fingerprinted (a tensor-parallel parameter: the ranks that
-    share it over the data-parallel group hold the same slice), a tensor subclass's plain
-    ones."""
+    """(P,) int64: per parameter, an exact weighted sum of the bits of up to ``_SAMPLES`` values."""
     sums = []
     for _, p in names:
         flat = values(p).detach().reshape(-1)
@@ -112,8 +97,7 @@ def fingerprint(names) -> torch.Tensor:
 
 
 def check_same_values(names, group, ctx: CommContext) -> None:
-    """Raise on every rank, naming the parameters, unless every rank holds the same values
-    (their fingerprints; 8 bytes a parameter, one all-gather a unit)."""
+    """Raise on every rank, naming the parameters, unless every rank holds the same values."""
     n = ctx.world_size(group)
     if not names or n == 1 or ctx.simulated(group):
         return
@@ -133,8 +117,7 @@ def check_same_values(names, group, ctx: CommContext) -> None:
 
 
 def take_rank0_values(modules, params, group, ctx: CommContext) -> None:
-    """``sync_module_states``: rank 0's values of ``params`` and of the modules' buffers on
-    every rank, in one broadcast per dtype (the unit's full size, once, at sharding time)."""
+    """``sync_module_states``: rank 0's ``params`` and buffers everywhere, a broadcast per dtype."""
     if any(p.is_meta for p in params):
         raise ValueError("sync_module_states=True copies rank 0's values, but the module is "
                          "on the meta device: it has none yet; use zero.init_parameters or "

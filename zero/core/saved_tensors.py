@@ -1,18 +1,7 @@
 """The guard: backward never reads the memory of a unit's freed parameters.
 
-Stage 3 frees a unit's full parameters after its forward and gathers them again when
-backward reaches the unit's output (its pre-backward hook). Meanwhile the autograd graph
-keeps views of the freed storage: a Linear saves its weight to compute its input's
-gradient. If the pre-backward hook never runs, because the output hid somewhere
-``zero/core/tree.py`` cannot see, backward would read whatever that memory holds by then:
-gradients that are silently wrong, different from run to run.
-
-So while units that free their parameters run forward, a saved-tensor hook (autograd's
-``saved_tensors_hooks``) notes each tensor saved from such a unit's storage, and when
-backward unpacks one, the unit must be gathered, or we raise. The check costs one
-dictionary lookup per saved tensor. If the model installs saved-tensor hooks of its own
-(activation offloading copies each saved tensor away), those stay in charge and the guard
-stands aside: a copy cannot be freed under it.
+A saved-tensor hook notes each tensor saved from a stage-3 unit's storage; unpacking one while
+the unit is freed raises (notes/12-model-code.md, "The guard").
 """
 
 from __future__ import annotations

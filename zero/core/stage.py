@@ -1,15 +1,8 @@
 """The three stages are one mechanism with a policy, and this table is the whole policy.
 
-ZeRO (Rajbhandari et al., SC20, section 5) shards, stage by stage, the optimizer state
-(P_os), then the gradients (P_os+g), then the parameters (P_os+g+p). In our mechanism
-(``zero/core/unit.py``) every stage already shards the optimizer state, because the optimizer
-only ever sees this rank's pieces; what the stage decides is which full tensors a rank keeps:
-the parameters between steps, and the gradient until the step. Every stage reduce-scatters a
-unit's gradient as soon as it is complete, but stage 1 in mixed precision, which keeps every
-low-precision gradient whole until the end of backward (``keeps_full_gradient``).
-
-Every rule the mechanism follows is derived here, from the two booleans and the unit's dtypes,
-so that nothing else consults the table directly but to ask one of these questions.
+ZeRO (Rajbhandari et al., SC20, section 5) shards P_os, then P_os+g, then P_os+g+p; here
+every stage shards the optimizer state, and the stage decides which full tensors a rank keeps.
+Every rule the mechanism follows is derived here (notes/04-stage2.md, "One line in the table").
 """
 
 from __future__ import annotations
@@ -39,27 +32,21 @@ class Stage:
         return not self.keep_params
 
     def shards_in_place(self, param_dtype, master_dtype) -> bool:
-        """Stages 1/2 without a cast: the shard lives inside the full buffer, so the
-        all-gather after each step happens in place and parameters cost Ψ, not Ψ + Ψ/N."""
+        """Stages 1/2 without a cast: the shard inside the full buffer (Ψ, not Ψ + Ψ/N)."""
         return self.keep_params and param_dtype == master_dtype
 
     def keeps_full_gradient(self, param_dtype, reduce_dtype, master_dtype) -> bool:
-        """Stage 1 keeps the full gradient until the step and reduces it in place, into its
-        own slot, as soon as it is complete. Not through a cast: a bf16 gradient is reduced
-        through an fp32 copy, after which it would serve nothing; so in mixed precision stage
-        1 keeps every bf16 gradient whole until backward ends (the paper's 2Ψ), then reduces
-        them one by one."""
+        """Stage 1 keeps the full gradient and reduces it in place. Not through a cast: in
+        mixed precision it keeps every bf16 gradient whole until backward ends (the paper's
+        2Ψ), then reduces them through fp32 copies."""
         return self.keep_grads and reduce_dtype == param_dtype and reduce_dtype == master_dtype
 
     def reduces_when_complete(self, keeps_full_gradient: bool) -> bool:
-        """Whether a unit's reduce-scatter starts as soon as its gradient is complete (else:
-        at the end of backward, stage 1 through a cast)."""
+        """Reduce as soon as the gradient is complete (else at the end of backward)."""
         return keeps_full_gradient or not self.keep_grads
 
     def reshards_after_forward(self, setting: bool | None, is_root: bool) -> bool:
-        """Free the parameters between forward and backward? Never at stages 1/2; at stage 3
-        as set, and by default (None) for every unit but the root (FSDP2: the root keeps
-        its parameters, which backward needs first)."""
+        """Stage 3: as set, else (None) every unit but the root, as FSDP2; never at 1/2."""
         if self.keep_params:
             return False
         return not is_root if setting is None else setting

@@ -1,11 +1,8 @@
 """The two states a unit is in: where it is in the iteration, and what it holds of its parameters.
 
-Each is one enum whose members say their transition (FSDP2's ``TrainingState`` and
-``ShardedState``, DeepSpeed's ``ZeroParamStatus``), instead of flags that could contradict
-each other. ``zero/core/hooks.py`` moves a unit through ``TrainingState``;
-``zero/core/unit.py`` moves it through ``ShardedState``. ``Held`` is what a unit shows an
-observer of both (``Unit.held()``). ``Iteration`` holds the rest of what a unit knows of the
-current iteration, made anew when it ends; ``Controls`` the user's settings for it.
+One enum each, members saying their transition (FSDP2's ``TrainingState`` and
+``ShardedState``, DeepSpeed's ``ZeroParamStatus``), moved by ``zero/core/hooks.py`` and
+``zero/core/unit.py``; ``Held``, ``Iteration`` and ``Controls`` beside them.
 """
 
 from __future__ import annotations
@@ -18,42 +15,26 @@ import torch
 
 
 class TrainingState(enum.Enum):
-    """Where a unit is in one iteration.
+    """Where a unit is in one iteration."""
 
-    IDLE           between iterations, and between its forward and its backward
-    FORWARD        from its pre-forward to its post-forward
-    PRE_BACKWARD   from the moment backward reaches its output (parameters gathered again)
-    POST_BACKWARD  from the moment its flat gradient is complete to the end of backward
-    """
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
+    IDLE = "idle"  # between iterations, and between its forward and its backward
+    FORWARD = "forward"  # from its pre-forward to its post-forward
+    PRE_BACKWARD = "pre_backward"  # backward reached its output (parameters gathered again)
+    POST_BACKWARD = "post_backward"  # its flat gradient is complete, till the end of backward
 
 
 class ShardedState(enum.Enum):
-    """What a unit holds of its parameters, besides its shard (which it always holds).
+    """What a unit holds of its parameters, besides its shard (which it always holds)."""
 
-    SHARDED               nothing more: the full flat buffer's storage is freed (0 bytes)
-    SHARDED_POST_FORWARD  freed, but this rank keeps its slice of the parameters over a
-                          smaller group (hpZ: its node; FSDP2's name), from which backward
-                          gathers within that group
-    GATHERING             the full buffer is allocated and an all-gather into it is in flight
-    UNSHARDED             the full parameters are readable
-    """
-
-    SHARDED = "sharded"
+    SHARDED = "sharded"  # nothing more: the full flat buffer's storage is freed (0 bytes)
+    # freed, but this rank keeps its slice over a smaller group (hpZ: its node; FSDP2's name)
     SHARDED_POST_FORWARD = "sharded_post_forward"
-    GATHERING = "gathering"
-    UNSHARDED = "unsharded"
+    GATHERING = "gathering"  # the full buffer is allocated, an all-gather into it in flight
+    UNSHARDED = "unsharded"  # the full parameters are readable
 
 
 class Held(NamedTuple):
-    """What a unit holds right now (``Unit.held()``): read them, never write them.
-
-    A freed tensor is still there, with a storage of 0 bytes.
-    """
+    """What a unit holds right now (``Unit.held()``), read-only; a freed tensor has 0 bytes."""
 
     sharded_state: ShardedState
     training_state: TrainingState
@@ -68,9 +49,7 @@ class Held(NamedTuple):
 
 @dataclass
 class Iteration:
-    """A unit's state in the current iteration, written only by ``zero/core/hooks.py``; a
-    new one replaces it when the iteration ends (``Unit.end_iteration``), so nothing a failed
-    iteration left can leak into the next."""
+    """A unit's state in this iteration, written by ``zero/core/hooks.py``, made anew at its end."""
 
     state: TrainingState = TrainingState.IDLE
     forward_calls: int = 0  # forwards this iteration
@@ -83,8 +62,7 @@ class Iteration:
 
 @dataclass
 class Controls:
-    """The user's settings for a unit, FSDP2's controls (``zero/surface/controls.py``, ``no_sync``,
-    ``fully_shard``'s methods) and ``zero.shard``'s arguments that may change later."""
+    """The user's settings for a unit (FSDP2's controls: ``zero/surface/controls.py``)."""
 
     reshard_after_forward: bool | None = None  # stage 3; None: decided by the unit's role
     reshard_after_backward: bool = True  # False: keep gathered for the next micro-batch

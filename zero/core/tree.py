@@ -1,14 +1,6 @@
 """Finding the tensors in a unit's inputs and outputs, wherever model code puts them.
 
-A unit needs the tensors of its output (to hook the moment backward reaches it) and of its
-input (to cast them under mixed precision). Real model code returns more than tensors and
-tuples: transformers returns dataclasses (``CausalLMOutput``), torchtitan dicts, others
-namedtuples. ``torch.utils._pytree`` does not look inside a dataclass it was not told
-about, and a tensor we do not find is a unit whose backward we never see. So we walk the
-same containers FSDP2 walks (``torch.distributed.utils._apply_to_tensors``): tensors,
-namedtuples, dataclasses, dicts, lists and tuples. Anything else is a leaf; a stage-3 unit
-whose output tensors hide in one raises in backward (``zero/core/saved_tensors.py``), never
-reads freed memory.
+What FSDP2 walks (``torch.distributed.utils._apply_to_tensors``): notes/12-model-code.md.
 """
 
 from __future__ import annotations

@@ -1,45 +1,21 @@
 """A unit: one module whose own parameters are sharded together as one flat parameter.
 
-ZeRO stages 1, 2 and 3 are one mechanism here; the stage only decides *when* things happen
-(``zero/core/stage.py``: the whole difference is a table of two booleans). The whole
-algorithm is a symmetry: the all-gather that assembles a unit's parameters for its forward is
-mirrored by the reduce-scatter that splits its gradient in backward (SimpleFSDP's summary of
-FSDP: Zhang et al., "SimpleFSDP", arXiv:2411.00284).
+The stage decides only *when* (``zero/core/stage.py``). The all-gather that assembles the
+parameters for forward is mirrored by the reduce-scatter that splits the gradient in backward
+(SimpleFSDP, arXiv:2411.00284). FSDP2's parameter group; notes/05-stage3.md.
 
 [Note: the three tensors of a unit]
-- ``sharded``: this rank's slice of the padded flat parameter, in the parameters' own dtype
-  (fp32 master weights). The optimizer updates it, through ``params``: one new
-  ``nn.Parameter`` per original parameter, a 1-D view of that parameter's piece of
-  ``sharded`` (FSDP1's ``use_orig_params``). They keep the original names in the module.
-- ``unsharded``: the whole padded flat parameter in the compute dtype, an autograd leaf.
-  While the unit computes, the module's parameters are swapped for views into it
-  (``layout.views``), so autograd accumulates every parameter's gradient into one flat
-  ``unsharded.grad``, and a post-accumulate-grad hook on the leaf fires once per backward
-  when the unit's gradient is complete.
-- ``_unsharded_data``: the same storage as ``unsharded`` under its own version counter. Every
-  write (all-gather) goes through it, so refilling storage that autograd saved for backward
-  does not trip autograd's in-place check.
-Stage 3 frees ``unsharded`` between uses by resizing its storage to 0 bytes; the views saved
-in the autograd graph stay valid because the same storage is refilled before backward, and
-``zero/core/saved_tensors.py`` raises if backward ever reaches them while it is empty.
-
-A unit is FSDP2's parameter group: what it holds is split among a few objects, each with
-one concern, so that a new capability has a home that is not this class:
-
-- ``config`` and ``mesh`` (``zero/core/config.py``): what ``zero.shard`` decided, frozen: the
-  stage, dtypes, layout, comm and offload policies; the ranks it talks to (HSDP, hpZ);
-- ``sharded_params`` (``zero/core/param.py``): one object per original parameter, its
-  module slots and its sharded ``nn.Parameter``;
-- ``grads`` (``zero/core/grads.py``): the gradient half, from autograd's flat ``.grad`` to
-  the parameters' ``.grad``;
-- ``iteration`` and ``controls`` (``zero/core/state.py``): what the unit knows of the current
-  iteration (written by ``zero/core/hooks.py`` only, made anew when it ends), and the user's
-  settings (FSDP2's controls).
-
-What the unit holds of its parameters is one ``ShardedState``, moved only by ``unshard``,
-``wait_unshard``, ``reshard`` and ``shard_changed`` below. When each of these things happens
-is ``zero/core/hooks.py`` (the life of a unit in one iteration) and ``zero/core/schedule.py``
-(prefetching, the order of reductions). ``held()`` tells an observer what the unit holds.
+- ``sharded``: this rank's slice of the padded flat parameter (fp32 master weights), which
+  the optimizer updates through ``params``, one 1-D ``nn.Parameter`` view per original
+  parameter (FSDP1's ``use_orig_params``).
+- ``unsharded``: the whole padded flat parameter in the compute dtype, an autograd leaf. The
+  module computes with views into it (``layout.views``), so every gradient lands in one flat
+  ``unsharded.grad``, and a post-accumulate-grad hook fires when it is complete.
+- ``_unsharded_data``: the same storage under its own version counter; every all-gather
+  writes through it, so refilling storage saved for backward trips no in-place check.
+Stage 3 frees ``unsharded`` by resizing its storage to 0 bytes (notes/01-flat-parameter.md).
+Its ``ShardedState`` moves only in ``unshard``, ``wait_unshard``, ``reshard`` and
+``shard_changed``.
 """
 
 from __future__ import annotations
@@ -65,9 +41,7 @@ from zero.core.state import Controls, Held, Iteration, ShardedState, TrainingSta
 
 
 class AllGather(NamedTuple):
-    """An all-gather in flight into the unit's full buffer (``ShardedState.GATHERING``), and
-    what must stay alive until the computing stream has waited for it (``zero/comm/context.py``'s
-    note on streams): the tensors its side streams and the collective read and write."""
+    """An all-gather in flight, its buffers held till waited (``zero/comm/context.py``)."""
 
     work: api.Work  # its handle: the full parameters are readable after ``wait()``
     phase: str
@@ -80,14 +54,10 @@ class Unit:
 
     Args:
         modules: the modules sharded together (usually one).
-        params, locations: the unit's parameters, and per parameter every (module,
-            attribute) that uses it.
-        config: the unit's policies (``UnitConfig``); mesh: who it talks to (``MeshInfo``).
-        controls: the user's settings (``Controls``): ``reshard_after_forward`` and the rest.
-        root: the per-root context it belongs to (``zero/core/root.py``): its comm context,
-            schedule and reductions; the root's ``zero.shard`` call takes it over later.
-        forms: per parameter, None or ``make(sharded_param) -> ParamForm``: its own form
-            (tensor parallel, a tensor subclass's all-gather), chosen as the unit is built.
+        params, locations: its parameters, and each one's (module, attribute) slots.
+        config, mesh, controls: its ``UnitConfig``, ``MeshInfo`` and ``Controls``.
+        root: the per-root context it belongs to (``zero/core/root.py``).
+        forms: per parameter, None or ``make(sharded_param) -> ParamForm``.
     """
 
     def __init__(self, modules, params, locations, config: UnitConfig, mesh: MeshInfo,
@@ -98,25 +68,22 @@ class Unit:
         self.config, self.mesh, self.controls = config, mesh, controls
         self.parent: Unit | None = None
         self.sibling_of: Unit | None = None  # the unit made from the same modules (frozen part)
-        self.root = root  # the per-root context (zero/core/root.py), re-pointed by the root's
+        self.root = root
         self.iteration = Iteration()
         self.layout = config.layout([p.shape for p in params], mesh.world_size)
         self.local = LocalShard(self.layout, mesh.rank)  # our slot and pieces
 
-        # A module built on the meta device has no values yet: zero.init_parameters fills them.
         self.materialized = not any(p.is_meta for p in params)
         with torch.no_grad():
-            # Autograd leaf first; _unsharded_data aliases its storage (see the module note).
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=config.param_dtype,
                                          device=config.device)
-            self._unsharded_data = self.unsharded.data
+            self._unsharded_data = self.unsharded.data  # (the module note)
             if config.shards_in_place and not config.comm.in_place_ok:
                 raise ValueError(f"{describe(config.comm)} needs the shard apart from the full "
                                  f"buffer, but stage {config.stage.number} without a cast keeps "
                                  "it inside: use stage 3, or compute in another dtype (mp_policy)")
             if config.shards_in_place:
-                # (.data: its own version counter, which only writes to the shard move.)
-                self.sharded = self._unsharded_data[self.local.slot].data
+                self.sharded = self._unsharded_data[self.local.slot].data  # own version counter
             else:
                 self.sharded = torch.empty(self.layout.shard_numel, dtype=config.master_dtype,
                                            device=config.offload.home(config.device),
@@ -136,7 +103,6 @@ class Unit:
         for sp, make in zip(self.sharded_params, forms):
             if make is not None:
                 sp.form = make(sp)
-        # forms that decide what their parameter sends (FSDP2's all-gather extension)
         self._sending = {sp.index: cast(api.SendingForm, sp.form)
                          for sp in self.sharded_params if sp.form.sends}
         self.post_backward_handle = None  # the post-accumulate-grad hook on ``unsharded``
@@ -145,8 +111,7 @@ class Unit:
         self.sharded_state = ShardedState.UNSHARDED
         self._gathering: AllGather | None = None  # GATHERING: the all-gather in flight
         self._post_forward_shard: torch.Tensor | None = None  # SHARDED_POST_FORWARD (hpZ)
-        # In-place writes to a DTensor parameter (rows) bump its own version counter, not the
-        # shard's: watch both (flat and whole parameters are views sharing the shard's).
+        # (a DTensor parameter's in-place writes bump its own version counter: watch both)
         self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
         self._seen_version = self._versions()  # what the full parameters were made from
         self.stepped = False  # an optimizer with a parameter of this unit stepped since
@@ -154,8 +119,7 @@ class Unit:
             self._free()
 
     def place_under(self, parent: "Unit", sibling: bool = False) -> None:
-        """``parent`` is the unit above this one (``zero.shard``, bottom-up); a sibling, the
-        frozen part of the same modules, follows ``parent``'s settings."""
+        """``parent`` is the unit above; a sibling (the frozen part) follows its settings."""
         self.parent = parent
         if sibling:
             self.sibling_of = parent
@@ -177,23 +141,16 @@ class Unit:
         return [sp.locations for sp in self.sharded_params]
 
     def adopt_replaced(self) -> None:
-        """Parameters a client put in the module after sharding (``load_state_dict(sd,
-        assign=True)``: torchtune, accelerate; ``setattr``: transformers; a tie, HF's
-        ``tie_weights()``): adopted as FSDP2's ``reset_sharded_param`` does, or refused by
-        name (``zero/core/adoption.py``)."""
+        """Adopt what a client put in the slots, or refuse it (``zero/core/adoption.py``)."""
         if self.iteration.state is not TrainingState.IDLE:
             return  # (views are in the slots while the unit computes)
         if adoption.adopt_replaced(self):
             self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
-            # Sharded from meta and every parameter now replaced (transformers' loading):
-            # the shard holds values.
+            # (sharded from meta, every parameter now replaced: the shard holds values)
             self.materialized = self.materialized or not any(p.is_meta for p in self.params)
 
     def params_on_meta(self) -> None:
-        """Show the sharded parameters on the meta device, as FSDP2 does for a module it
-        sharded there: clients ask "is anything still on meta?" before they call ``to_empty``
-        and ``reset_parameters`` (Lightning). The shard itself is real from the start; the
-        parameters point at it again in ``params_on_shard``."""
+        """Show the sharded parameters on meta, as FSDP2 does (the shard itself is real)."""
         for sp in self.sharded_params:
             shown = sp.sharded
             local = shown.to_local() if isinstance(shown, DTensor) else shown.data
@@ -208,10 +165,7 @@ class Unit:
         self._wrapped = [p for p in self.params if type(p.data) is not torch.Tensor]
 
     def params_on_shard(self) -> None:
-        """The parameters shown on meta (``params_on_meta``) become views of this rank's
-        pieces of the shard again, each the same Python object (``torch.utils.swap_tensors``,
-        as ``nn.Module.to_empty`` keeps a DTensor's identity), so writes through them (the
-        model's own init) land in the shard."""
+        """The parameters shown on meta view the shard again (``swap_tensors``: same objects)."""
         for sp in self.sharded_params:
             if not sp.sharded.is_meta:
                 continue
@@ -227,12 +181,10 @@ class Unit:
 
     @property
     def group(self):
-        """The process group the unit is sharded over (None: the world)."""
         return self.mesh.group
 
     @property
     def all_group(self):
-        """Every rank training (HSDP's whole mesh): the group the ranks agree in."""
         return self.mesh.all_group
 
     @property
@@ -245,7 +197,6 @@ class Unit:
 
     @property
     def replicated(self) -> bool:
-        """HSDP: the reduced gradient shard is averaged over replicas of the sharded model."""
         return self.mesh.replicated
 
     @property
@@ -258,21 +209,17 @@ class Unit:
 
     @property
     def frees_parameters(self) -> bool:
-        """Stage 3: the full parameters are freed between uses."""
         return self.config.stage.frees_parameters
 
     def set_reshard_after_forward(self, reshard: bool | None) -> bool:
-        """Stage 3's setting (None: by the unit's role); False where the stage keeps the full
-        parameters whatever is asked (stages 1 and 2), and then nothing is set."""
+        """Stage 3's setting (None: by the unit's role); False (nothing set) at stages 1/2."""
         if self.config.stage.keep_params:
             return False
         self.controls.reshard_after_forward = reshard
         return True
 
     def use_comm(self, change: Callable[[api.CommPolicy], api.CommPolicy]) -> None:
-        """Collectives of another comm policy from now on: ``change(policy)`` makes it from
-        the present one (FSDP2's ``set_custom_all_gather`` and relatives). The config stays
-        frozen: the unit and its gradient take a new one."""
+        """Collectives of ``change(policy)`` from now on (FSDP2's ``set_custom_all_gather``)."""
         self.config = dataclasses.replace(self.config, comm=change(self.config.comm))
         self.grads.use_config(self.config)
 
@@ -284,13 +231,12 @@ class Unit:
         return self.local.piece(shard, i)
 
     def exposed_piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
-        """The same piece shown as parameter i is shown (``layout.exposed``): 1-D (flat), a
-        DTensor (rows), the whole shape on its owner (whole)."""
+        """The same piece shown as parameter i is shown (``layout.exposed``)."""
         return self.layout.exposed(self.local.piece(shard, i), i, self.mesh.rank,
                                    self.mesh.placement)
 
     def attach(self, root) -> None:
-        """Belong to ``root`` (``Root.take``: the root's ``zero.shard`` takes this unit over)."""
+        """Belong to ``root`` (``Root.take``)."""
         self.root = root
 
     @property
@@ -315,10 +261,7 @@ class Unit:
         return (self.sharded._version, *(p._version for p in self._wrapped))
 
     def _gather(self, phase: str) -> None:
-        """Start an all-gather into the (allocated) full buffer: GATHERING. On an accelerator
-        the copy into the wire (a cast, a host-to-device copy) runs on the context's copy-in
-        stream and the collective on its all-gather stream, beside the computation
-        (``zero/comm/context.py``'s note on streams); ``wait_unshard`` joins them."""
+        """Start an all-gather into the (allocated) full buffer, on the context's streams."""
         self._seen_version = self._versions()  # the full parameters will show this shard
         self.stepped = False
         if self.layout.padded_numel == 0:
@@ -333,9 +276,7 @@ class Unit:
             source, group, slot = self._post_forward_shard, mesh.group, mesh.slot(
                 self.layout.padded_numel)
             self._post_forward_shard = None
-            # The values forward computed with, already gathered once (qwZ: dequantized):
-            # moved exactly, so that backward computes with forward's weights; slices of
-            # the buffer the parameters view, whatever the layout's wire order.
+            # forward's values (qwZ: dequantized), moved exactly, in the compute buffer's order
             comm, copies, sending = EXACT, False, {}
         else:  # (host -> device, in the master dtype, under CPU offload)
             with streams.use(streams.copy_in):
@@ -344,8 +285,7 @@ class Unit:
             group, slot, sending = self.mesh.group, self.local.slot, self._sending
         target = self._unsharded_data
         if copies:  # gathered rank-major, copied out where the parameters are
-            target = self._unsharded_data.new_empty(self.layout.padded_numel)  # (computing
-            # stream's memory, as every buffer here: only it frees, after it has waited)
+            target = self._unsharded_data.new_empty(self.layout.padded_numel)
         streams.all_gather.wait_stream(streams.copy_in)
         with streams.use(streams.all_gather), label("all_gather", self.name):
             if sending:  # (layout rows: checked at zero.shard)
@@ -363,10 +303,7 @@ class Unit:
         self.sharded_state = ShardedState.GATHERING
 
     def unshard(self, phase: str, async_op: bool = False) -> None:
-        """Make the full parameters readable: all-gather them, or wait for the gather in flight.
-
-        With ``async_op`` the gather is only started (a prefetch); ``wait_unshard`` ends it.
-        """
+        """Make the full parameters readable (``async_op``: only start the gather, a prefetch)."""
         if not self.materialized:
             raise RuntimeError(
                 f"unit {self.name} was sharded from the meta device and has no values yet: "
@@ -379,9 +316,7 @@ class Unit:
             self.wait_unshard()
 
     def prefetch(self, phase: str) -> None:
-        """Start gathering ahead of need (the root asks, as its schedule or the user's lists
-        say): only a unit that frees its parameters has anything to gather, and in backward
-        only one whose backward reads them (FSDP2's ``_prefetch_unshard``)."""
+        """Start gathering ahead of need, if there is any (FSDP2's ``_prefetch_unshard``)."""
         if not self.config.stage.frees_parameters or (
                 phase == "backward" and not self.controls.unshard_in_backward):
             return
@@ -389,8 +324,7 @@ class Unit:
             self.unshard(phase=phase, async_op=True)
 
     def wait_unshard(self) -> None:
-        """The gather in flight has ended: the computing stream waits for its streams' work
-        (the collective itself by ``wait()``), and what it read and wrote may go."""
+        """End the gather in flight: the computing stream waits for it; its buffers may go."""
         if self.sharded_state is ShardedState.GATHERING:
             gathering, self._gathering = self._gathering, None
             assert gathering is not None  # (GATHERING: a gather is in flight)
@@ -400,23 +334,16 @@ class Unit:
             self.sharded_state = ShardedState.UNSHARDED
 
     def shard_written(self) -> bool:
-        """Whether the shard changed since the full parameters were last gathered from it:
-        ``opt.step()``, an in-place edit (``p.mul_(0.5)``), a checkpoint load. Its version
-        counter tells, whoever wrote it (but not a write through ``p.data``); and an
-        optimizer step marks it (``stepped``) on a rank that holds none of its elements too."""
+        """Whether the shard changed since the last gather (not through ``p.data``)."""
         return self.stepped or self._versions() != self._seen_version
 
     def mark_stepped(self) -> None:
-        """An optimizer stepped this unit's parameters (``zero/surface/attach.py``), on this rank
-        whether or not it holds any of their elements: the next forward refreshes it."""
+        """An optimizer stepped this unit (``zero/surface/attach.py``): refresh at next forward."""
         if self.unsharded.requires_grad:  # (frozen units are never stepped)
             self.stepped = True
 
     def reshard(self, after_forward: bool = False) -> None:
-        """Stage 3: give the full parameters' memory back; stages 1/2 keep them (and so does a
-        unit pinned by ``zero.unshard``). After a forward that backward will follow, a unit
-        with a ``post_forward`` mesh (hpZ) keeps this rank's slice of the parameters over
-        that smaller group, for backward's all-gather within it (SHARDED_POST_FORWARD)."""
+        """Stage 3: free the full parameters (hpZ after forward: SHARDED_POST_FORWARD)."""
         if self.config.stage.keep_params or self.controls.pinned or not self.is_unsharded:
             return
         self.wait_unshard()
@@ -436,16 +363,12 @@ class Unit:
         self.sharded_state = ShardedState.SHARDED
 
     def drop_post_forward_shard(self) -> None:
-        """hpZ: the post-forward shard will not be used (no backward came, or the shard
-        changed)."""
+        """hpZ: the post-forward shard will not be used."""
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             self._post_forward_shard, self.sharded_state = None, ShardedState.SHARDED
 
     def shard_changed(self, phase: str = "step") -> None:
-        """The shard holds new values: refresh (stages 1/2, async until the unit's forward)
-        or drop (stage 3) the full parameters. The root's next forward calls this for every
-        unit whose shard was written (``shard_written``); whoever writes ``sharded`` must
-        first call ``wait_unshard()`` (a stage 1/2 gather may still be reading it)."""
+        """New values in the shard (written after ``wait_unshard()``): refresh or drop the full."""
         self.materialized = True
         self.stepped = False
         self.drop_post_forward_shard()  # made from the old values
@@ -478,8 +401,7 @@ class Unit:
         return t.to(self.config.output_dtype) if t.is_floating_point() else t
 
     def release_after_backward(self) -> None:
-        """Backward is done with the parameters: give the module its sharded ones back, and
-        (stage 3) free the full ones, unless ``set_reshard_after_backward(False)``."""
+        """Sharded parameters back in the module; stage 3 frees the full ones (if set)."""
         self.use_sharded_params()
         if self.controls.reshard_after_backward:
             self.reshard()

@@ -1,23 +1,12 @@
 """Whole parameters: each parameter entirely on one rank, as ``ZeroRedundancyOptimizer`` does.
 
-Some optimizers read a parameter as a whole: Adafactor factors the second moment of a matrix
-into row and column statistics, Muon orthogonalises the update of a matrix, Shampoo builds a
-preconditioner per dimension. On a piece of a parameter (``flat``) or on some of its rows
-(``rows``) they compute something else. Here each parameter goes whole to one rank, chosen
-greedily (the largest first, to the rank holding the fewest elements so far, as
-``ZeroRedundancyOptimizer`` balances its ranks), and each rank's shard is its parameters end
-to end, padded to the largest rank's size::
+For optimizers that read a parameter whole (Adafactor, Muon, Shampoo); the largest first, to
+the rank holding the fewest elements::
 
     flat buffer:  | r0: p1 .......... p3 ... |pad|| r1: p0 ....... p2 ..... |
     rank 0 holds p1 and p3, whole, in their shapes; rank 1 holds p0 and p2
 
-A parameter is contiguous in the all-gather's buffer, so the parameters view it directly (no
-copy, as with ``flat``); the padding is the price, reported by ``padding``. The owner's
-optimizer sees the parameter in its own shape; every other rank holds an empty tensor with the
-same number of dimensions (``(0, *shape[1:])``, so that a rule like ``p.ndim >= 2`` puts it in
-the same group on every rank), which never gets a gradient, so no optimizer steps it there.
-
-The interface is ``zero/core/flat.py``'s (its note).
+notes/16-layouts.md, "whole". The interface is ``zero/core/flat.py``'s (its note).
 """
 
 from __future__ import annotations
@@ -87,8 +76,7 @@ class WholeLayout:
         return LocalShard(self, rank)
 
     def views(self, compute: torch.Tensor) -> list[torch.Tensor]:
-        """The parameters in the flat buffer, all made by one ``split`` (one concatenation
-        in backward, as with ``flat``)."""
+        """The parameters in the flat buffer, all made by one ``split`` (as with ``flat``)."""
         parts = compute.split([n for n, _ in self._segments])
         views: list = [None] * len(self.shapes)
         for part, (_, i) in zip(parts, self._segments):
@@ -109,8 +97,7 @@ class WholeLayout:
         return compute
 
     def exposed(self, piece: torch.Tensor, i: int, rank: int, group) -> torch.Tensor:
-        """The whole parameter, in its shape, on its owner; elsewhere an empty tensor with as
-        many dimensions."""
+        """The whole parameter on its owner; elsewhere an empty tensor of as many dims."""
         shape = self.shapes[i]
         if self.owner[i] == rank:
             return piece.view(shape)
