@@ -1,22 +1,12 @@
 """How ``load`` and ``export`` have DCP read a checkpoint: as data only, only as written, and
 only from the version they resolved.
 
-``dcp.load`` with its defaults would, on every rank, unpickle ``.metadata`` again with plain
-``pickle`` and load the values it stored as bytes (``lr``, ``betas``, the params' names) with
-``torch.load(weights_only=False)``: either runs whatever code a crafted checkpoint holds. It
-opens every file by its path as it reads it, so a save that flips ``latest`` in between makes
-it read two checkpoints. And it trusts every byte: torch.save gives each zip entry a CRC-32
-that ``torch.load`` never checks, so a flipped bit in a tensor loads as a wrong number. Here:
-
-- ``Reader`` hands DCP the ``.metadata`` already read (``safe_pickle.py``) and checked
-  (``validate.py``), and opens each data file once, a regular file: deleting the version
-  afterwards changes nothing, before fails by name. ``prepare`` checks every record before a
-  byte is loaded: each zip entry's CRC-32, its pickle (a dry run: nothing that would make
-  torch's unpickler hash without end), its dtype and shape (DCP would cast a float32 record
-  into a float16 template);
-- ``Planner`` loads values stored as bytes with ``torch.load(weights_only=True)``, and refuses
-  one nested past ``_DEPTH`` levels, sharing a part, or viewing more elements than its storage
-  has (a stride-0 view of 2**34 elements is 4 bytes on disk, 64 GiB in the first step).
+``dcp.load`` with its defaults unpickles ``.metadata`` and the values stored as bytes with no
+allow-list, opens every file by its path as it reads it, and never checks torch.save's CRC-32s
+(notes/08-checkpoints.md, "Trust", "Loading beside a save", "Loading what is not there").
+``Reader`` hands DCP the ``.metadata`` already read and checked and opens each data file once;
+``prepare`` verifies every record before a byte is loaded. ``Planner`` loads values stored as
+bytes with ``torch.load(weights_only=True)``, refusing what ``_unplain`` names.
 """
 
 from __future__ import annotations
@@ -81,9 +71,8 @@ class Reader(FileSystemReader):
         return super().read_data(plan, planner)
 
     def _verify(self, index) -> None:
-        """A record's zip entries match their CRC-32s (0: written with
-        ``torch.serialization.set_crc32_options(False)``, nothing to check), its pickle is
-        safe for torch's unpickler, and a tensor's record holds what ``.metadata`` says."""
+        """A record's zip entries match their CRC-32s (0: none written), its pickle is safe for
+        torch's unpickler, and a tensor's record holds what ``.metadata`` says."""
         where = self.metadata.storage_data[index]
         window = _Window(self.fd(where.relative_path), where.offset, where.length)
         try:
@@ -187,9 +176,7 @@ class Planner(DefaultLoadPlanner):
 
 
 def _unplain(obj) -> str | None:
-    """What makes a value stored as bytes more than plain data, or None: nesting deeper than
-    ``_DEPTH`` (a deep copy recurses), a part held twice, a tensor viewing more elements than
-    its storage holds. One walk, without recursion."""
+    """Why a value stored as bytes is more than plain data (notes/08, "Trust"), or None."""
     todo, seen = [(obj, 0)], set()
     while todo:
         o, depth = todo.pop()

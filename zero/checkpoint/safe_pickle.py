@@ -1,37 +1,20 @@
 """Reading ``.metadata`` runs no code: it is unpickled against an allow-list of what DCP puts in it.
 
-A pickle is a program: unpickling calls whatever the file names, and torch's DCP (2.13) reads
-``.metadata`` with plain ``pickle.load`` (``FileSystemReader.read_metadata``), so a crafted
-one runs its code inside ``dcp.load``, on every rank, before anything is checked. Here
-``_Unpickler.find_class`` hands out only ``ALLOWED``; anything else raises
+torch's DCP (2.13) reads ``.metadata`` with plain ``pickle.load``
+(``FileSystemReader.read_metadata``), so a crafted one runs its code inside ``dcp.load``, on
+every rank. Here ``_Unpickler.find_class`` hands out only ``ALLOWED``; anything else raises
 ``UntrustedCheckpointError``, naming it. The trust model: notes/08-checkpoints.md, "Trust".
 
 [Note: why the allowed set is safe]
-A pickle calls code only through objects ``find_class`` gives it (GLOBAL, STACK_GLOBAL, INST,
-OBJ, and EXT1/2/4, which CPython resolves through ``find_class`` too) or a persistent id
-(refused). It can call one (REDUCE, NEWOBJ): each allowed class only stores its arguments,
-looks them up or parses a string (pure paths, which never touch the file system), and a dtype
-is not callable; BUILD one: the only ``__setstate__``, ``TensorProperties``', assigns five
-fields, else BUILD sets attributes; APPEND or SETITEM on one, which none has. So all a pickle
-reaches is data or these harmless callables. One hole is left: BUILD on an object that is not
-new (an allowed class, an enum member; ``StorageMeta`` can get a class attribute) changes it
-for the whole process; ``load_metadata`` undoes such a change and refuses the file.
+Each allowed object only stores its arguments, looks them up or parses a string; a BUILD on one
+that already exists would change it for the whole process: ``load_metadata`` undoes it and
+refuses the file. notes/08-checkpoints.md, "Trust", "Why that set is safe".
 
 [Note: memory and time in proportion to the file]
-Running no code is not enough: a pickle of nine bytes can still ask for gigabytes, or for a
-computation that never ends, through the unpickler's own machinery.
-- The memo: the C unpickler grows its array to twice any index a PUT names, zero-filled
-  (``LONG_BINPUT 2**31`` asks for 32 GiB; torch's ``dcp.load`` does this too), and allocates
-  a counted string (BINBYTES8) before reading it. Ours is the pure-Python
-  ``pickle._Unpickler``: a dict memo, strings read from what the file holds; BYTEARRAY8
-  (allocated first by both) is refused, DCP never writes one.
-- Hashing: a dict key is hashed, and a tuple's hash walks all of it each time, in C, with no
-  recursion limit: a tuple nested a hundred thousand deep crashes the process, and a few dozen
-  levels that each hold the one below twice (the memo shares them) take 2**levels steps. So a
-  key must be small, as DCP's are (a string or number, a short tuple of them, a
-  ``MetadataIndex``); anything else is refused before it is hashed.
-Nothing else grows faster than the file: each opcode reads its own bytes and makes one object.
-What the objects say is checked by ``validate.py``, without printing them (a repr walks shared
+The pure-Python unpickler (a dict memo; BYTEARRAY8 refused) and small keys only (a tuple's hash
+walks all of it, in C): notes/08-checkpoints.md, "Trust", "Memory and time in proportion to the
+file". Nothing else grows faster than the file: each opcode reads its own bytes and makes one
+object. ``validate.py`` checks what the objects say, without printing them (a repr walks shared
 parts again too).
 """
 
@@ -185,10 +168,8 @@ class _Opaque(dict):
 
 
 class _DryRun(_Unpickler):
-    """Walks a torch.save file's pickle as torch's weights-only unpickler will, building
-    ``_Opaque`` for every global and storage, to refuse what would make that one hash
-    without end or crash: keys that are not small, and tuples nested past ``_KEY_NODES``
-    levels or holding more parts (shared ones counted each time) than the file has bytes."""
+    """A torch.save pickle walked with ``_Opaque`` for every global and storage, refusing keys
+    that are not small and tuples past ``_KEY_NODES`` levels or of more parts than the bytes."""
 
     def __init__(self, data: bytes, where: str):
         super().__init__(io.BytesIO(data), where)
@@ -220,16 +201,14 @@ class _DryRun(_Unpickler):
 
 
 def dry_run(data: bytes, where: str) -> None:
-    """Raise ``pickle.UnpicklingError`` unless ``data`` (a torch.save file's ``data.pkl``) is
-    safe to hand to torch's weights-only unpickler, which hashes every key it meets, in C
-    (a tuple key nested a million deep crashes ``torch.load(weights_only=True)``)."""
+    """Raise ``pickle.UnpicklingError`` unless ``data`` (a torch.save file's ``data.pkl``) is safe
+    for torch's weights-only unpickler, which hashes every key it meets, in C (notes/08, Trust)."""
     _DryRun(data, where).load()
 
 
 def load_metadata(data: bytes, where: str):
     """Unpickle ``data`` (the file ``where``) with nothing but ``ALLOWED``, else raise
-    ``UntrustedCheckpointError`` (pickle's own error for a non-pickle); ``validate.py`` checks
-    what it returns."""
+    ``UntrustedCheckpointError`` (pickle's own error for a non-pickle)."""
     before = [(o, dict(vars(o))) for o in _SHARED]
     try:
         return _Unpickler(io.BytesIO(data), where).load()

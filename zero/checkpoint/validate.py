@@ -1,14 +1,12 @@
 """What is checked on disk before a byte of data is read: ``.metadata``, the fit, the files.
 
-Every check runs before any collective that moves data, and none allocates more than the
-files hold (``safe_pickle.py``'s second note). ``read_metadata`` checks ``.metadata`` for what
-DCP relies on (``_malformed``: the types; each key the join of its path; each tensor's chunks
-inside it, disjoint and covering it, each with a plain record of its own, big enough, in a
-plain file name, no two records overlapping), so what a load allocates is bounded by the files
-and every element is written by them; ``check_fits``, that it is this model's; ``check_files``,
-that each data file is a regular file (a FIFO would block a reader forever), not truncated.
-Messages never print a ``repr`` of what a file built: a crafted object's repr can be as costly
-as its hash.
+Every check runs before any collective that moves data, and none allocates more than the files
+hold (``safe_pickle.py``'s second note). ``read_metadata`` checks what DCP relies on
+(``_malformed``: the types; each key its path; each tensor's chunks inside it, disjoint, covering
+it, each with a plain record of its own), so what a load allocates is bounded by the files;
+``check_fits``, that it is this model's; ``check_files``, that each data file is a regular file
+(a FIFO would block a reader forever), not truncated. Messages never print a ``repr`` of what a
+file built (as costly as its hash). notes/08-checkpoints.md, "Trust", "Loading what is not there".
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ def read_metadata(ckpt: str) -> tuple[Metadata, str]:
 
 
 def open_regular(file: str, ckpt: str) -> int:
-    """``file`` opened for reading, refused unless a regular file (symlinks followed): opened
-    without blocking (a FIFO cannot hang it), then checked on the open file (nothing can be
-    swapped in between the check and the read)."""
+    """``file`` opened without blocking (a FIFO cannot hang it), refused unless a regular file
+    (symlinks followed), checked on the open file (nothing can be swapped in between the check and the read)."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -4,14 +4,10 @@
     unsharded parameter   = sharded.fsdp_post_all_gather(outputs, metadata, param_dtype)
 
 ([Note: FSDP tensors] in torch's ``_fsdp_param.py``; torchao's float8 training sends fp8.)
-The subclass's one inner tensor sits in the unit's shard like any parameter's, and the
-sharded parameter's local tensor is the subclass around this rank's rows. The unit's gather
-(``zero/core/rows.py``'s ``gather_sending``) sends the plain rows and each subclass's inputs
-in one collective; ``SubclassForm`` hands the outputs to ``fsdp_post_all_gather`` (then
-``out=``, refilled in place), the module computes with that tensor, its gradient flows to the
-parameter's view in the unit's buffer, and a reshard frees the outputs, as FSDP2 does. Layout
-"rows" only; ``check`` refuses tensor parallel, offload, hpZ and a weights comm policy by
-name. notes/16-layouts.md.
+The subclass's one inner tensor sits in the unit's shard like any parameter's; ``SubclassForm``
+serves it (``out=``, refilled in place; a reshard frees the outputs, as FSDP2 does). Layout
+"rows" only; ``check`` refuses tensor parallel, offload, hpZ and a weights comm policy by name.
+notes/16-layouts.md, "rows, composed".
 """
 
 from __future__ import annotations

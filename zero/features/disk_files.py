@@ -5,18 +5,11 @@ a write the disk cuts short raises at once, naming the file (the bytes are still
 read checks the length and a CRC-32 against what was written; the directory is this process's
 own (``zero-optimizer-state-*``) and goes with the store. notes/17-family.md, "Disk offload".
 
-[Note: who may delete a directory] Nothing that may still be needed:
-- A dead process's directory is reclaimed by the next store in the same place, only if the
-  ``flock`` its store held on its mark is free (the kernel drops it at death): a pid is no
-  proof across PID namespaces (``docker --network=host``, a k8s ``hostNetwork`` pod). The
-  mark's host must match too (``flock`` on some network file systems is local to one machine).
-- SIGTERM is the program's: a handler is installed only where its action is death or zero's
-  own; it removes this process's directory, then dies of the signal, and does nothing when a
-  later handler of the program's calls it on. Each handler knows its own store's directory.
-- Marks are untrusted (the directory is shared): one planted as a pipe, a link to
-  ``/dev/zero`` or a huge pid must neither hang, exhaust memory nor raise, so a mark is opened
-  without following links or blocking, and skipped unless a regular file of this user of at
-  most ``_MARK_BYTES``.
+[Note: who may delete a directory] Nothing that may still be needed: a dead store's directory
+goes only if the ``flock`` on its mark is free (and the mark's host is this one: ``flock`` on some
+network file systems is local to one machine); a SIGTERM handler only where death is the action;
+marks are untrusted (``_OPEN_UNTRUSTED``, at most ``_MARK_BYTES``). Each handler knows its own
+store's directory. notes/17-family.md, "Disk offload", tells why.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Disk offload (ZeRO-Infinity's NVMe tier, on any file system): the optimizer state in files.
 
-ZeRO-Infinity (Rajbhandari et al., SC21) goes a tier past ZeRO-Offload (``offload.py``): here
-the optimizer state (AdamW's moments, 8 bytes a parameter) lives in one file per unit, and a
-rank holds at most two units' state in memory; the shards stay on the host. torch's
-optimizers read every parameter's state first, so this policy splits the step itself
-(``before_step``, from zero's step pre-hook, after the user's)::
-
-    for each unit k (the same order on every rank):
-        read unit k+1's file in the background     (disk -> memory)
-        opt's own step over unit k's parameters only, their state put back
-        write unit k's state back in the background (memory -> disk), drop it
-
-Bitwise the in-memory run for optimizers that update each parameter alone (``ELEMENTWISE``).
-notes/17-family.md, "Disk offload".
+ZeRO-Infinity (Rajbhandari et al., SC21) goes a tier past ZeRO-Offload (``offload.py``): the
+optimizer state lives in one file per unit, a rank holds at most two units' state in memory.
+torch's optimizers read every parameter's state first, so this policy splits the step itself
+(``before_step``): unit by unit, the next unit's file read and this one's written in the
+background. Bitwise the in-memory run for optimizers that update each parameter alone
+(``ELEMENTWISE``). notes/17-family.md, "Disk offload", draws the loop.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ the optimizer state to the host, and steps there; the device keeps what computes
     host:    opt.step() on the host shards and their state
 
 The mechanism asks the policy (``zero/api.py``'s ``OffloadPolicy``) where the shard lives and
-how a tensor crosses (each crossing a ledger record); no offload is a policy too, ``OnDevice``.
-notes/17-family.md, "CPU offload".
+how a tensor crosses; no offload is a policy too, ``OnDevice``. notes/17-family.md, "CPU offload".
 """
 
 from __future__ import annotations

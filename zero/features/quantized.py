@@ -32,8 +32,7 @@ def quantize_rows(x: torch.Tensor, block: int, levels: int) -> tuple[torch.Tenso
     blocks = padded.reshape(rows, nb, block)
     scale = blocks.abs().amax(dim=2) / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block
-    # A block with an inf or a NaN gets a NaN scale, so that it arrives as NaNs: a loss scaler
-    # must still find the overflow (an inf scale would give 0 * inf = NaN too, but a NaN's
+    # A block with an inf or a NaN gets a NaN scale, so a loss scaler finds the overflow (a NaN's
     # amax is NaN, and NaN > 0 is False: the block would come out finite, and wrong).
     scale = torch.where(torch.isfinite(blocks).all(dim=2), scale, torch.full_like(scale, torch.nan))
     q = torch.round(blocks / scale[:, :, None]).nan_to_num_(0).clamp_(-levels, levels)
@@ -65,8 +64,7 @@ class QuantizedWeights(FlatCollectives):
         return q.view(-1), scale.view(-1)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, slot: slice, *,
-                   in_place: bool, group, unit: str, phase: str,
-                   ctx: api.Comm) -> api.Work:
+                   in_place: bool, group, unit: str, phase: str, ctx: api.Comm) -> api.Work:
         if in_place:
             raise ValueError("QuantizedWeights (qwZ) rewrites every rank's slot of the full "
                              "buffer with dequantized values: it needs the shard apart from it "

@@ -3,19 +3,10 @@
 section 3.3).
 
 A ring in low precision would quantize at each of its N-1 hops; qgZ quantizes once per level
-of the cluster and sums in fp32 between. With N = n nodes x g ranks a node (rank i*g + j on
-node i), shard k of the flat gradient rank k's::
-
-    grad (N*S,)  viewed (n, g, S)          [node i', local j', element]
-    encode       g messages                message j' = the n shards local rank j' owns,
-                                           4-bit blocks and their fp32 scales, as bytes
-    hop 1        all-to-all in the node    local rank j gets every local rank's message j
-    sum          g x (n, S) -> (n, S)      dequantized, summed in fp32: the node's part
-    hop 2        all-to-all across nodes   4-bit again: node i' gets row i' (shard i'*g + j)
-    sum          n x (S,) -> (S,)          dequantized, summed: this rank's shard, / N for avg
-
-Bytes a hop and the error bound (a block's largest magnitude over 14, each hop):
-notes/17-family.md, "qgZ".
+of the cluster and sums in fp32 between: with N = n nodes x g ranks a node, hop 1 is an
+all-to-all in the node (to local rank j, the n shards it owns, as 4-bit blocks), hop 2 one
+across nodes (the node's part of shard i'*g + j to node i'). The two hops drawn, their bytes and
+the error bound (a block's largest magnitude over 14, each hop): notes/17-family.md, "qgZ".
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 ``zero.shard(model, auto_wrap_policy=...)`` asks torch's own FSDP1 policies
 (``ModuleWrapPolicy``, ``size_based_auto_wrap_policy``, ...), with FSDP1's own traversal,
 which modules to wrap, and makes the same units FSDP1 does (notes/09-scale.md, "Units"). The
-strategy names map to stages: ``FULL_SHARD`` ZeRO-3, ``SHARD_GRAD_OP`` ZeRO-2, the
-``HYBRID_SHARD`` pair the same on a 2-D mesh (HSDP), ``NO_SHARD`` DDP (a mesh of N rows of one).
+strategy names map to stages (``STAGES``; ``HYBRID_SHARD``: HSDP, ``NO_SHARD``: DDP).
 """
 
 from __future__ import annotations
