@@ -4,10 +4,9 @@
     zero.load("ckpt", model, opt)     # at any world size, into any stage (loading.py)
     python -m zero export ckpt model.pt   # one file for nn.Module.load_state_dict
 
-On disk is what FSDP2's ``dcp.save({"model": msd, "optim": osd})`` writes after
-``get_state_dict``: one entry per parameter, by name and full shape, each rank holding its
-dim-0 chunk (``fsdp2_layout.py``), converted one unit at a time. Why, what it costs, and how
-versions (``directory.py``) and reads (``reader.py``) stay safe: notes/08-checkpoints.md.
+On disk is what FSDP2's ``dcp.save`` of ``get_state_dict`` writes (``fsdp2_layout.py``), converted
+one unit at a time. What that is, why, what it costs, and how versions (``directory.py``) and
+reads (``reader.py``) stay safe: notes/08-checkpoints.md, from "What is on disk".
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
     ckpt/v000002/  ckpt/v000003/  ckpt/latest -> v000003  ckpt/.zero-lock
 
 Each version is a complete DCP checkpoint marked as ours (``.zero-version``: only those are
-ever deleted); ``latest`` is flipped by one ``os.replace`` once DCP has written everything,
-so a crash at any moment leaves it at a complete checkpoint. ``load`` resolves ``latest``
-once and reads only that version. notes/08-checkpoints.md, "Versions", tells the rest.
+ever deleted); ``latest`` is flipped by one ``os.replace`` once DCP has written everything.
+notes/08-checkpoints.md, "Versions" and "Loading beside a save", tells the rest.
 """
 
 from __future__ import annotations

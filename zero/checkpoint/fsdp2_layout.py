@@ -1,12 +1,10 @@
 """FSDP2's per-parameter layout, and moving one unit's flat shard to it and back.
 
 [Note: two layouts of the same numbers]
-Ours (``zero/core/flat.py``) cuts a *unit*'s padded buffer into N equal slices; FSDP2's cuts
-each *parameter* along dim 0 like ``torch.chunk`` (``c = ceil(d0 / N)`` rows a rank, the last
-ranks fewer or none), a ``Shard(0)`` DTensor. Both give a rank contiguous runs; only the
-boundaries differ, so moving between them takes one all-gather of the unit. A 0-d parameter
-is stored whole on every rank. notes/08-checkpoints.md, "Moving one unit between the two
-layouts".
+Ours (``zero/core/flat.py``) cuts a *unit*'s buffer into N equal slices; FSDP2's cuts each
+*parameter* along dim 0 like ``torch.chunk``, a ``Shard(0)`` DTensor (a 0-d one: whole on every
+rank). Moving between them takes one all-gather of the unit: notes/08-checkpoints.md, "What is
+on disk" and "Moving one unit between the two layouts".
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def to_dtensor(chunk: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> torc
         return chunk
     stride = torch.empty(shape, device="meta").stride()
     # Uneven chunks: the global shape and stride must be given, DTensor cannot infer them.
-    return DTensor.from_local(chunk, mesh, [Shard(0)], run_check=False, shape=shape,
-                              stride=stride)
+    return DTensor.from_local(chunk, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
 def mesh_of(unit) -> DeviceMesh:

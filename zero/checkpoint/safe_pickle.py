@@ -64,15 +64,12 @@ _DTYPES = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 # What DCP's .metadata holds (torch 2.13's checkpoint/metadata.py and filesystem.py, checked
 # against zero.save's and FSDP2's: tests/checkpoint/test_checkpoint_security.py), as
-# (module, name) -> the object handed out. Containers and scalars need no import.
+# (module, name) -> the object handed out; each entry's field: notes/08, "Trust", the table.
 ALLOWED: dict[tuple[str, str], object] = {
-    # the dataclasses a Metadata is made of
     **{("torch.distributed.checkpoint.metadata", name): getattr(md, name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta")},
-    # the enum TensorProperties pickles its memory_format as (called with an int only)
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format,
-    # storage_data's values: which file, offset and length hold each chunk
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,  # sizes, chunk offsets and sizes
     **{("torch", str(d).removeprefix("torch.")): d for d in _DTYPES},  # TensorProperties.dtype

@@ -139,8 +139,7 @@ class SubclassForm:
         if len(inspect.signature(pre).parameters) == 1:
             tensors, self.metadata = pre(mesh)
         else:
-            tensors, self.metadata = pre(mesh, self.shape, self.stride, self.module,
-                                         self.mp_policy)
+            tensors, self.metadata = pre(mesh, self.shape, self.stride, self.module, self.mp_policy)
         padded = torch.Size([padded_rows, *local.shape[1:]])
         if local.shape != padded and any(t.shape != padded for t in tensors):
             shapes = [tuple(t.shape) for t in tensors]

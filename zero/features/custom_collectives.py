@@ -3,10 +3,9 @@
 FSDP2 lets a user replace a group's two collectives with its own ``AllGather`` /
 ``ReduceScatter`` objects (``_fully_shard/_fsdp_api.py``): ``allocate(size, dtype=, device=)``
 says where a buffer lives (a memory pool, a process group's allocator), ``__call__(output_tensor,
-input_tensor, group, [op,] async_op)`` issues the collective. zero calls them with FSDP2's
-arguments (``_fsdp_collectives.py``): the all-gather with ``async_op=False``, the
-reduce-scatter without it (on an accelerator both return once queued on their stream).
-Empty, this policy is zero's own ``FlatCollectives``, call for call; with an object:
+input_tensor, group, [op,] async_op)`` issues the collective, called with FSDP2's arguments
+(``_fsdp_collectives.py``; ``all_gather`` says why). Empty, this policy is zero's own
+``FlatCollectives``, call for call; with an object:
 
     all_gather      shard (S,) -> wire = allocate((N*S,)) -> wire[slot] = shard (cast)
                     -> object(wire, wire[slot], group)   -> full = wire

@@ -98,8 +98,7 @@ class StateFiles:
 def _hold(root: str) -> int:
     """``root``'s mark, locked for this process's life (named once locked); its descriptor."""
     making = os.path.join(root, MARK + ".making")
-    fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+    fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (nobody else has it open yet)
     os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
     os.rename(making, os.path.join(root, MARK))

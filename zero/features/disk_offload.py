@@ -118,5 +118,4 @@ def _pieces(optimizer, units: list) -> list[tuple]:
 
 def _state_values(optimizer, pieces: list):
     """Every state value of the parameters in ``pieces`` (to tell whether a load replaced them)."""
-    return [v for _, params in pieces for p in params
-            for v in optimizer.state.get(p, {}).values()]
+    return [v for _, params in pieces for p in params for v in optimizer.state.get(p, {}).values()]

@@ -1,9 +1,8 @@
 """Disk offload's store: one optimizer's state in files, one a unit, moved around its step.
 
-``DiskOffload`` decides when a unit's state is needed; this reads it in the background ahead
-of the unit's step, puts it back into ``optimizer.state``, takes it out and writes it back in
-the background after, each file checked (``disk_files.py``). A write the disk refuses leaves
-that unit's state in memory, in ``optimizer.state``, and says so.
+``DiskOffload`` decides when a unit's state is needed; this reads it ahead of the unit's step
+and writes it back after, in the background, each file checked (``disk_files.py``); a write the
+disk refuses leaves that unit's state in ``optimizer.state``, and says so.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ collective of those units, and of ``zero.save`` / ``zero.load``, one line each, 
 
     all_gather float32 (16896,) <- (8448,) ranks=2
 
-and answers every other question as the backend it wraps. One file, no change anywhere else:
-that is what ``zero/api.py``'s ``Backend`` seam is for.
+and answers every other question as the backend it wraps: ``zero/api.py``'s ``Backend`` seam.
 """
 
 from __future__ import annotations

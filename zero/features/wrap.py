@@ -48,8 +48,7 @@ def shared_outside(model: nn.Module, module: nn.Module) -> frozenset:
         for p in m._parameters.values():
             if p is not None:
                 users.setdefault(id(p), set()).add(id(m))
-    return frozenset(pid for pid, mods in users.items()
-                     if mods & inside and not mods <= inside)
+    return frozenset(pid for pid, mods in users.items() if mods & inside and not mods <= inside)
 
 
 def stage_and_mesh(strategy, stage: int | None, mesh, world_size: int, device_type: str):
