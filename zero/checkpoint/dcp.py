@@ -33,8 +33,7 @@ from zero.core.registry import units_of
 from zero.core.rows import local_tensor
 
 
-# zero's own checkpoints hold each parameter as dim-0 rows of the whole parameter; a
-# tensor-parallel or Shard(d) one is not that (zero/core/placement.py)
+# zero's checkpoints hold dim-0 rows of whole parameters; a TP or Shard(d) one is not (placement.py)
 PLACED_FIX = ("save and load it through torch's DCP state-dict functions, as on FSDP2: "
               "dcp.save({'model': get_model_state_dict(model), 'optim': "
               "get_optimizer_state_dict(model, optimizer)}, checkpoint_id=...), and "
@@ -245,9 +244,7 @@ def _on_rank0(ctx: CommContext, what: str, fn: Callable, *args):
 def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
     """Consolidate a checkpoint's model into one ``torch.save`` file of ``{name: full tensor}``.
 
-    In one process, no process group, the whole model in memory; read as ``load`` reads (no
-    code run; the version ``latest`` named at the start); written atomically, tensors only
-    (``torch.load(out_file, weights_only=True)``, then ``load_state_dict``).
+    One process, the whole model in memory, read as ``load`` reads: notes/08, "Export".
     """
     ckpt = ckdir.resolve(path)
     ckdir.check_out_file(out_file, path, ckpt)

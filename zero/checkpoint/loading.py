@@ -2,10 +2,9 @@
 
     zero.load("ckpt", model, opt)     # at any world size, into any stage, or FSDP2's checkpoint
 
-Every rank checks everything on its own, then all agree in one small all-gather (``_agreed``:
-a bad checkpoint raises on every rank, none waits in a collective); the small things load
-whole; then each unit's chunks go through ``chunks_to_flat``, so no rank holds more than its
-shards and one unit. notes/08-checkpoints.md, "Moving one unit" and "Loading what is not there".
+Every rank checks everything alone, then all agree (``_agreed``); the small things load whole;
+each unit's chunks go through ``chunks_to_flat``, so no rank holds more than its shards and one
+unit. notes/08-checkpoints.md, "Moving one unit" and "Loading what is not there".
 """
 
 from __future__ import annotations

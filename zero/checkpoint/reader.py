@@ -4,9 +4,8 @@ only from the version they resolved.
 ``dcp.load`` with its defaults unpickles ``.metadata`` and the values stored as bytes with no
 allow-list, opens every file by its path as it reads it, and never checks torch.save's CRC-32s
 (notes/08-checkpoints.md, "Trust", "Loading beside a save", "Loading what is not there").
-``Reader`` hands DCP the ``.metadata`` already read and checked and opens each data file once;
-``prepare`` verifies every record before a byte is loaded. ``Planner`` loads values stored as
-bytes with ``torch.load(weights_only=True)``, refusing what ``_unplain`` names.
+``Reader`` hands DCP the checked ``.metadata``, opens each data file once and verifies every
+record first; ``Planner`` loads values stored as bytes as data only (``_unplain``).
 """
 
 from __future__ import annotations

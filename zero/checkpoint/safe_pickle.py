@@ -14,8 +14,7 @@ refuses the file. notes/08-checkpoints.md, "Trust", "Why that set is safe".
 The pure-Python unpickler (a dict memo; BYTEARRAY8 refused) and small keys only (a tuple's hash
 walks all of it, in C): notes/08-checkpoints.md, "Trust", "Memory and time in proportion to the
 file". Nothing else grows faster than the file: each opcode reads its own bytes and makes one
-object. ``validate.py`` checks what the objects say, without printing them (a repr walks shared
-parts again too).
+object. ``validate.py`` checks what the objects say.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """What is checked on disk before a byte of data is read: ``.metadata``, the fit, the files.
 
 Every check runs before any collective that moves data, and none allocates more than the files
-hold (``safe_pickle.py``'s second note). ``read_metadata`` checks what DCP relies on
-(``_malformed``: the types; each key its path; each tensor's chunks inside it, disjoint, covering
-it, each with a plain record of its own), so what a load allocates is bounded by the files;
-``check_fits``, that it is this model's; ``check_files``, that each data file is a regular file
-(a FIFO would block a reader forever), not truncated. Messages never print a ``repr`` of what a
-file built (as costly as its hash). notes/08-checkpoints.md, "Trust", "Loading what is not there".
+hold (``safe_pickle.py``'s second note): ``read_metadata`` (``_malformed``: what DCP relies on),
+``check_fits`` (this model's), ``check_files`` (regular files, not truncated). Messages never print
+a ``repr`` of what a file built. notes/08-checkpoints.md, "Trust", "Loading what is not there".
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ def _not_regular(st: os.stat_result, where: str) -> RuntimeError | None:
 
 
 def _malformed(meta) -> str | None:
-    """What in ``meta`` is not as DCP writes it, or None (see the module note)."""
+    """What in ``meta`` is not as DCP writes it, or None (notes/08, "Trust")."""
     if not isinstance(meta, Metadata):
         return f"it holds a {type(meta).__name__}, not DCP's Metadata"
     sdm, paths, stored = meta.state_dict_metadata, meta.planner_data, meta.storage_data

@@ -13,10 +13,9 @@ input_tensor, group, [op,] async_op)`` issues the collective, called with FSDP2'
                     -> object(out, wire, group, op)      -> grad[slot] = out
 
 one copy more each way than zero's own (FSDP2 copies too), the price of the object's memory;
-each is issued through ``CommContext.launch``, in the ledger like every collective. Here too:
-buffers from the process group's allocator (``set_allocate_memory_from_process_group_for_comm``;
-gloo has none: ``torch.empty``, as FSDP2) and a reduce-scatter group of its own
-(``set_separate_reduce_scatter_group``: not queued behind the all-gathers).
+each is issued through ``CommContext.launch``, in the ledger like every collective. Also
+``set_allocate_memory_from_process_group_for_comm`` (gloo has none: ``torch.empty``, as FSDP2)
+and ``set_separate_reduce_scatter_group`` (not queued behind the all-gathers).
 """
 
 from __future__ import annotations

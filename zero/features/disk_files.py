@@ -1,9 +1,7 @@
 """Disk offload's files: every write checked complete, every read checked, nothing left behind.
 
-The optimizer state in these files is the only copy, so they are held to what a checkpoint is:
-a write the disk cuts short raises at once, naming the file (the bytes are still in memory); a
-read checks the length and a CRC-32 against what was written; the directory is this process's
-own (``zero-optimizer-state-*``) and goes with the store. notes/17-family.md, "Disk offload".
+The optimizer state in these files is the only copy, so they are held to what a checkpoint is;
+the directory (``zero-optimizer-state-*``) goes with the store. notes/17-family.md, "Disk offload".
 
 [Note: who may delete a directory] Nothing that may still be needed: a dead store's directory
 goes only if the ``flock`` on its mark is free (and the mark's host is this one: ``flock`` on some

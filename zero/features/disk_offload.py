@@ -1,10 +1,8 @@
 """Disk offload (ZeRO-Infinity's NVMe tier, on any file system): the optimizer state in files.
 
-ZeRO-Infinity (Rajbhandari et al., SC21) goes a tier past ZeRO-Offload (``offload.py``): the
-optimizer state lives in one file per unit, a rank holds at most two units' state in memory.
-torch's optimizers read every parameter's state first, so this policy splits the step itself
-(``before_step``): unit by unit, the next unit's file read and this one's written in the
-background. Bitwise the in-memory run for optimizers that update each parameter alone
+ZeRO-Infinity (Rajbhandari et al., SC21) goes a tier past ZeRO-Offload (``offload.py``): one file
+of optimizer state per unit, at most two units' in memory; the step split unit by unit
+(``before_step``), bitwise the in-memory run for optimizers that update each parameter alone
 (``ELEMENTWISE``). notes/17-family.md, "Disk offload", draws the loop.
 """
 

@@ -4,9 +4,7 @@ Extremely Efficient Collective Communication for Giant Model Training", 2023, se
     shard (S,) fp32 -> q (S,) int8 + scales (S/B,) fp32 -> one message of bytes a rank
                     -> all-gather -> full (N*S,)
 
-Only what is sent is lossy (within half a step, a block's largest magnitude over 254); the
-master shard, gradients and step are untouched. It needs a shard apart from the full buffer
-it fills: stage 3, or stages 1/2 computing in another dtype. notes/17-family.md, "qwZ".
+Only what is sent is lossy; it needs the shard apart from the full buffer (notes/17, "qwZ").
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 "ZeRO++: Extremely Efficient Collective Communication for Giant Model Training", 2023,
 section 3.3).
 
-A ring in low precision would quantize at each of its N-1 hops; qgZ quantizes once per level
-of the cluster and sums in fp32 between: with N = n nodes x g ranks a node, hop 1 is an
-all-to-all in the node (to local rank j, the n shards it owns, as 4-bit blocks), hop 2 one
-across nodes (the node's part of shard i'*g + j to node i'). The two hops drawn, their bytes and
-the error bound (a block's largest magnitude over 14, each hop): notes/17-family.md, "qgZ".
+qgZ quantizes once per level of the cluster, not at each hop of a ring, and sums in fp32 between:
+with N = n nodes x g ranks a node, hop 1 is an all-to-all in the node (to local rank j, the n
+shards it owns, as 4-bit blocks), hop 2 one across nodes (the node's part of shard i'*g + j to
+node i'). Drawn, with bytes and the error bound (a block's largest magnitude over 14, each hop):
+notes/17-family.md, "qgZ".
 """
 
 from __future__ import annotations
@@ -123,8 +123,7 @@ class _SecondHop:
         p, size = self.policy, self.size
         n, g = p.nodes, p.per_node
         self.work.wait()
-        # From each local rank, its part of our n shards {i'*g + j}: the node's sum of each,
-        # in fp32, added in local-rank order.
+        # Each local rank's part of our n shards {i'*g + j}: the node's sum, fp32, in rank order.
         node_part = torch.zeros(n, size, dtype=torch.float32, device=self.grad.device)
         for j in range(g):
             node_part += p.decode(self.recv[j], n, size)
