@@ -66,8 +66,7 @@ def adopt_replaced(unit) -> bool:
 def adopt_agreed(units: list, what: str, fix: str) -> None:
     """For zero's own readers: agree on ``what`` and on what was replaced, then adopt it."""
     unit = units[0]
-    comm.agree(what + pending(units), group=unit.mesh.all_group, ctx=unit.root.context,
-               fix=fix)
+    comm.agree(what + pending(units), group=unit.mesh.all_group, ctx=unit.root.context, fix=fix)
     for u in units:
         u.adopt_replaced()
 

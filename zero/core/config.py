@@ -18,26 +18,18 @@ from zero.core.stage import Stage
 
 @dataclass(frozen=True)
 class UnitConfig:
-    """The policies of one unit (every unit's alike, but for the dtypes).
+    """The policies of one unit (every unit's alike, but for the dtypes)."""
 
-    Args:
-        stage: a ``Stage`` (``zero/core/stage.py``).
-        master_dtype, param_dtype, reduce_dtype: the shard's, the compute and the reduction's.
-        cast_inputs, output_dtype: cast floating inputs to ``param_dtype``, outputs to this.
-        layout, comm, offload: the ``Layout`` class, ``CommPolicy``, ``OffloadPolicy``.
-        device: the compute device.
-    """
-
-    stage: Stage
-    master_dtype: torch.dtype
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    cast_inputs: bool
-    output_dtype: torch.dtype | None
-    layout: type[api.Layout]
+    stage: Stage  # ``zero/core/stage.py``
+    master_dtype: torch.dtype  # the shard's
+    param_dtype: torch.dtype  # the compute dtype
+    reduce_dtype: torch.dtype  # the reduction's
+    cast_inputs: bool  # cast floating inputs to ``param_dtype``
+    output_dtype: torch.dtype | None  # cast floating outputs to this
+    layout: type[api.Layout]  # the ``Layout`` class
     comm: api.CommPolicy
     offload: api.OffloadPolicy
-    device: torch.device
+    device: torch.device  # the compute device
 
     @classmethod
     def make(cls, stage: Stage, mp_policy, master_dtype: torch.dtype,
@@ -66,21 +58,14 @@ class UnitConfig:
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The ranks a unit is sharded over (``group``), and who else it talks to.
+    """The ranks a unit is sharded over (``group``), and who else it talks to."""
 
-    Args:
-        group: the process group the unit is sharded over (None: the world).
-        all_group: every rank training (the agreement's group; HSDP's whole mesh).
-        placement: the mesh DTensor parameters are placed on (layout "rows"), else ``group``.
-        post_forward: hpZ: a ``MeshInfo`` over this rank's node, from which backward gathers.
-    """
-
-    group: Any
+    group: Any  # the process group the unit is sharded over (None: the world)
     rank: int
     world_size: int
-    all_group: Any
-    placement: Any
-    post_forward: "MeshInfo | None" = None
+    all_group: Any  # every rank training (the agreement's group; HSDP's whole mesh)
+    placement: Any  # the mesh DTensor parameters are placed on (layout "rows"), else ``group``
+    post_forward: "MeshInfo | None" = None  # hpZ: this rank's node, from which backward gathers
     replicas: int = 1  # HSDP's copies of the sharded model (``HSDPMeshInfo``)
 
     @classmethod

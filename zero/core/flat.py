@@ -8,11 +8,10 @@ so its length divides N, rank r owns ``[r * S, (r + 1) * S)``, ``S = padded_nume
 
 What rank r holds of parameter i is a *piece*, a contiguous run (notes/01-flat-parameter.md).
 
-[Note: the layout interface] Who holds which element is a policy: flat pieces (here),
-FSDP2's rows (``zero/core/rows.py``) or whole parameters (``zero/core/whole.py``), each with
-``padded_numel``, ``shard_numel``, ``pieces``, ``local``, ``views``, and ``copies``,
-``from_wire`` / ``to_wire`` and ``exposed`` for a layout whose gathered buffer is not the
-compute buffer (notes/16-layouts.md).
+[Note: the layout interface] Who holds which element is a policy: flat pieces (here), FSDP2's rows
+(``zero/core/rows.py``) or whole parameters (``zero/core/whole.py``), each with ``padded_numel``,
+``shard_numel``, ``pieces``, ``local``, ``views``, and ``copies``, ``from_wire`` / ``to_wire`` and
+``exposed`` for a layout whose gathered buffer is not the compute buffer (notes/16-layouts.md).
 """
 
 from __future__ import annotations
@@ -26,12 +25,7 @@ from zero.api import Layout, Piece, ShardInfo  # (the values every layout return
 
 
 class FlatLayout:
-    """Where each parameter of a unit lives in the flat buffer and in each rank's shard.
-
-    Args:
-        shapes: the parameters' shapes, in flattening order (0-d and empty allowed).
-        world_size: N, the number of shards.
-    """
+    """Where each of ``shapes`` (0-d and empty allowed) lives in the flat buffer and each shard."""
 
     name = "flat"
     copies = False  # the all-gather's buffer is the one the parameters view
@@ -55,8 +49,7 @@ class FlatLayout:
 
     def pieces(self, rank: int) -> list[Piece]:
         """The non-empty pieces of parameters in rank ``rank``'s shard, in flat order."""
-        lo = rank * self.shard_numel
-        hi = lo + self.shard_numel
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         out = []
         for i, (start, n) in enumerate(zip(self.offsets, self.numels)):
             a, b = max(start, lo), min(start + n, hi)
@@ -100,11 +93,8 @@ class FlatLayout:
 
 
 class LocalShard:
-    """One rank's share of a layout: its slot of the flat buffer and its piece of each parameter.
+    """One rank's share of a layout: its slot of the flat buffer and its piece of each parameter."""
 
-    Args:
-        layout, rank: the unit's layout, and the rank in the unit's group.
-    """
 
     def __init__(self, layout: Layout, rank: int):
         self.layout, self.rank = layout, rank

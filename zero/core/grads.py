@@ -65,14 +65,8 @@ class Reduction(NamedTuple):
 
 
 class Gradient:
-    """One unit's gradient, from autograd's full flat ``.grad`` to the parameters' ``.grad``.
-
-    Args:
-        leaf, sharded_params: the unit's full flat parameter and ``ShardedParam`` objects.
-        local: this rank's slot and pieces; master: the unit's shard (the ``.grad``'s dtype).
-        config, mesh: the unit's ``UnitConfig`` and ``MeshInfo``.
-        name: the unit's name, for the ledger; controls: its ``Controls`` (FSDP2's settings).
-    """
+    """One unit's gradient, from autograd's full flat ``.grad`` (of ``leaf``) to the parameters'
+    ``.grad``, in the dtype of ``master``, the unit's shard; ``name`` is the ledger's."""
 
     def __init__(self, leaf: torch.Tensor, sharded_params: list, local: LocalShard,
                  master: torch.Tensor, config: UnitConfig, mesh: MeshInfo, name: str,
@@ -117,8 +111,7 @@ class Gradient:
     def start_reduce(self, ctx: CommContext) -> None:
         """Start reducing (N*S,) -> (S,) this rank's shard of the mean; ``wait_reduce`` ends it."""
         if self.reduction is not None:
-            # A second part of this backward's gradient (reentrant checkpointing of a unit run
-            # twice): its mean is added to the first's, as FSDP2 adds into the sharded .grad.
+            # (a unit run twice, reentrant checkpointing: the mean adds to the first's, as FSDP2's)
             self.wait_reduce(ctx)
         grad, self.leaf.grad = self.leaf.grad, None  # the unit lets go of it
         if self.unsynced is not None:  # earlier micro-batches, in reduce_dtype
@@ -137,14 +130,12 @@ class Gradient:
             grad.mul_(d.premul)  # a divide factor of the user's: sum(g * 1/factor)
         if d.pre is not None:
             grad.div_(d.pre)  # fp16: half of the mean's division before the sum, half after
-        # (``grad`` stays referenced by the reduction until the computing stream has waited)
         streams = ctx.streams(grad.device)
         with streams.use(streams.reduce_scatter):
             work = self.config.comm.reduce_scatter(grad, self.local.slot, op=d.op,
                                                    group=self.mesh.group, unit=self.name,
                                                    phase="backward", ctx=ctx)
             event = streams.reduce_scatter.record_event()
-        # Stage 1 keeps the full gradient (Ψ, as DDP); stages 2/3 copy the slot out, free the rest.
         self.reduction = Reduction(work, grad, d, kept, event)
 
     def wait_reduce(self, ctx: CommContext) -> None:
@@ -171,9 +162,8 @@ class Gradient:
         # (assign hands it out at the end of backward; a second part adds: start_reduce)
         self.reduced = shard if self.reduced is None else self.reduced.add_(shard)
 
-    # [Note: HSDP's partial reductions] FSDP2's set_requires_all_reduce(False): the shards are
-    # summed here, in reduce_dtype, and the first backward that all-reduces averages the sum
-    # over the replicas once; no .grad meanwhile (notes/11-conformance.md).
+    # [Note: HSDP's partial reductions] FSDP2's set_requires_all_reduce(False): shards summed here
+    # in reduce_dtype, averaged over the replicas by the next all-reduce (notes/11-conformance.md).
 
     def _skips_replicas(self) -> bool:
         return not self.controls.requires_all_reduce and self.mesh.replicated
@@ -190,8 +180,7 @@ class Gradient:
         """FSDP2's set_reduce_scatter_unused_params: a unit with no gradient reduces zeros."""
         reduced = self.has_unsynced() or self.reduction is not None or self.reduced is not None
         if self.controls.reduce_unused and self.leaf.requires_grad and not reduced:
-            self.leaf.grad = torch.zeros(self.leaf.shape, dtype=self.leaf.dtype,
-                                         device=self.leaf.device)
+            self.leaf.grad = torch.zeros_like(self.leaf)
 
     def assign(self, used: list[bool]) -> None:
         """Give each used parameter its piece of the reduced gradient (accumulating)."""
@@ -226,8 +215,7 @@ class Gradient:
             if g is not None:
                 p.grad = self._zero_markers[i] = g
         # (a DTensor's own version counter: in-place ops on it do not reach its local tensor's)
-        self._seen_grads = [(p, p.grad, p.grad._version) for p in self.params
-                            if p.grad is not None]
+        self._seen_grads = [(p, p.grad, p.grad._version) for p in self.params if p.grad is not None]
 
     def discard_if_zeroed(self) -> None:
         if any(p.grad is not g or g._version != v for p, g, v in self._seen_grads):
@@ -250,9 +238,7 @@ class Gradient:
         """Forget every gradient not yet handed out (a failed iteration)."""
         if self.reduction is not None:
             finish(self.reduction.work)  # every rank issued it: let it finish everywhere
-            # (the computing stream waits on the collective: the buffers may go)
         self.leaf.grad = None
-        self.unsynced = self.reduction = self.reduced = self.partial = None
-        self._partial_used = None
+        self.unsynced = self.reduction = self.reduced = self.partial = self._partial_used = None
         self.used = [False] * len(self.params)
         self._unmark()

@@ -1,19 +1,15 @@
-"""What a unit refuses to do: each check below stands between a user and a silent wrong result.
-
-Each was a silent wrong result once (notes/12-model-code.md); each raises, naming the fix.
-"""
+"""What a unit refuses: each check was a silent wrong result once, and raises naming the fix."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+from contextvars import ContextVar
 
 from zero.core.param import AS_IS
 from zero.core.same_model import values
 
 # zero's own state-dict helpers running in this thread: ``zero/surface/attach.py`` lets them by
-_STATE_DICT_ACCESS: contextvars.ContextVar[int] = contextvars.ContextVar("zero_state_dicts",
-                                                                         default=0)
+_STATE_DICT_ACCESS: ContextVar[int] = ContextVar("zero_state_dicts", default=0)
 
 
 @contextlib.contextmanager
@@ -50,12 +46,11 @@ def converted_after_sharding(unit) -> None:
 
 def converted(unit, p) -> None:
     raise RuntimeError(
-        f"the parameters of unit {unit.name} were converted after zero.shard "
-        f"(now {p.dtype} on {p.device}, sharded as {unit.sharded.dtype} on "
-        f"{unit.sharded.device}): model.to(), .half(), .double() or .cuda() after "
-        "sharding detach them from their shard. Convert the model before "
-        "zero.shard, or compute in another dtype with "
-        "zero.shard(..., mp_policy=zero.MixedPrecision(param_dtype=...))")
+        f"the parameters of unit {unit.name} were converted after zero.shard (now {p.dtype} on "
+        f"{p.device}, sharded as {unit.sharded.dtype} on {unit.sharded.device}): model.to(), "
+        ".half(), .double() or .cuda() after sharding detach them from their shard. Convert the "
+        "model before zero.shard, or compute in another dtype with zero.shard(..., "
+        "mp_policy=zero.MixedPrecision(param_dtype=...))")
 
 
 def on_meta(unit, moved: bool) -> None:
@@ -87,12 +82,11 @@ def replaced_in_forward(unit) -> None:
                 path = next(n for top in unit.modules for n, m in top.named_modules() if m is mod)
                 name = ".".join(s for s in (unit.name, path, attr) if s and s != "root")
                 raise RuntimeError(
-                    f"'{name}' was replaced during forward (e.g. module.to(dtype) inside "
-                    f"forward): it no longer computes with unit {unit.name}'s "
-                    f"{unit.config.param_dtype} parameters, and its gradient would be lost. If it "
-                    "must compute in another dtype (a router in fp32), shard the module "
-                    "that owns it as its own unit first, with zero.shard(module, "
-                    "mp_policy=None)")
+                    f"'{name}' was replaced during forward (e.g. module.to(dtype) inside forward): "
+                    f"it no longer computes with unit {unit.name}'s {unit.config.param_dtype} "
+                    "parameters, and its gradient would be lost. If it must compute in another "
+                    "dtype (a router in fp32), shard the module that owns it as its own unit "
+                    "first, with zero.shard(module, mp_policy=None)")
 
 
 def freed_in_backward(unit) -> None:

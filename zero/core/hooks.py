@@ -1,23 +1,19 @@
 """The life of a unit in one iteration: four hooks, and the state a unit is in between them.
 
-    pre_forward    gather the parameters (stage 3; stages 1/2 have them), compute with views
-    post_forward   give the sharded parameters back; stage 3 frees the full ones; hook the
-                   output tensors, so that backward calls pre_backward when it reaches them
-    pre_backward   gather the parameters again (stage 3), for the unit's backward
-    post_backward  the unit's flat gradient is complete: reduce-scatter it, free the
-                   parameters (stage 3)
-
-FSDP2's four, same names. The only file that hooks a unit and moves its ``TrainingState``
+FSDP2's four, same names: ``pre_forward`` gathers (stage 3) and computes with views,
+``post_forward`` frees (stage 3) and hooks the outputs, ``pre_backward`` gathers again,
+``post_backward`` reduce-scatters the complete flat gradient (notes/05-stage3.md, "The life of
+a unit in one step"). The only file that hooks a unit and moves its ``TrainingState``
 (notes/12-model-code.md, "One state per unit").
 
 [Note: frozen parameters] A frozen weight gives no gradient but is read for the input's: at
 stage 3 a unit with frozen parameters frees them once its inputs' gradients exist
 (``_InputGradients``), as FSDP2 (notes/18-edge-cases.md, "Frozen parameters").
 
-[Note: a gradient completed inside a recompute] Under reentrant checkpointing a stage-3
-unit's gradient may complete in a recompute's backward (not ``backward_task``) while the
-outer one still needs the parameters: it is freed when the next unit's backward or recompute
-starts, or at the end of backward (``Root.free_deferred``).
+[Note: a gradient completed inside a recompute] Under reentrant checkpointing a stage-3 unit's
+gradient may complete in a recompute's backward (not ``backward_task``) while the outer one still
+needs the parameters: freed at the next unit's backward or recompute, or at backward's end
+(``Root.free_deferred``).
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ import torch.nn as nn
 from zero.comm.context import label
 from zero.core import adoption, guards
 from zero.core.root import root_of
-from zero.core.state import ShardedState
-from zero.core.state import TrainingState as State
+from zero.core.state import ShardedState, TrainingState as State
 from zero.core.tree import map_tensors, tensors_in
 
 
@@ -118,8 +113,7 @@ def _post_forward(unit, module: nn.Module, args: Any, output: Any) -> Any:
     guards.replaced_in_forward(unit)
     unit.use_sharded_params()
     unit.iteration.state = State.IDLE
-    # A unit of several modules (zero.shard([a, b])) stays gathered until all have run.
-    last = unit.iteration.forward_calls % len(unit.modules) == 0
+    last = unit.iteration.forward_calls % len(unit.modules) == 0  # (zero.shard([a, b]): all ran)
     if not torch.is_grad_enabled():
         if last:
             unit.reshard()  # no backward will come for this forward
@@ -240,8 +234,7 @@ class _InputGradients(torch.autograd.Function):
         unit = ctx.unit
         if unit.iteration.forward_calls == 1:  # called twice: the other's backward may be due
             unit.iteration.inputs_done = True
-            if (unit.iteration.state is State.POST_BACKWARD
-                    or not unit.unsharded.requires_grad):
+            if unit.iteration.state is State.POST_BACKWARD or not unit.unsharded.requires_grad:
                 unit.release_after_backward()
         return (None, *grads)
 

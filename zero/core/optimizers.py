@@ -1,7 +1,5 @@
-"""What zero knows of torch's optimizers: which ones may step pieces of parameters.
-
-notes/16-layouts.md, "Optimizers that read a whole tensor".
-"""
+"""What zero knows of torch's optimizers: which ones may step pieces of parameters
+(notes/16-layouts.md, "Optimizers that read a whole tensor")."""
 
 from __future__ import annotations
 

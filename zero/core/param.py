@@ -1,9 +1,7 @@
 """One original parameter of a unit: where the module uses it, and the piece that replaces it.
 
-FSDP2's ``FSDPParam``: its ``index`` in the layout, every (module, attribute) that uses it,
-and ``sharded``, the ``nn.Parameter`` of this rank's piece the optimizer steps (shown as the
-layout shows it). ``use`` swaps the module between the sharded parameters and views into the
-gathered buffer; a ``form`` (``zero/core/placement.py``,
+FSDP2's ``FSDPParam``. ``use`` swaps the module between ``sharded`` (the piece the optimizer
+steps) and views into the gathered buffer; a ``form`` (``zero/core/placement.py``,
 ``zero/features/all_gather_extension.py``) may compute with something else (``unsharded``).
 """
 
@@ -32,9 +30,8 @@ AS_IS = AsIs()
 
 
 class Strided:
-    """The form of a non-contiguous parameter (``nn.Parameter(w.t())``): the module computes
-    with a copy in its own strides, since some kernels round by strides (bit for bit DDP's).
-    The copy lives as long as the iteration's views, through stage 3's reshard."""
+    """A non-contiguous parameter's form (``nn.Parameter(w.t())``): a copy in its own strides,
+    as some kernels round by strides (DDP's bits), kept as long as the iteration's views."""
 
     sends = False
 
@@ -50,20 +47,15 @@ class Strided:
 
 
 class ShardedParam:
-    """Args:
-    index: the parameter's place among its unit's (``unit.params[index]``).
-    shape: its full shape.
-    locations: every (module, attribute name) that uses it.
-    sharded: this rank's piece of it, as an ``nn.Parameter`` (made by the unit).
-    stride: the original's strides where it was not contiguous (its ``Strided`` form).
-    """
+    """The unit's parameter ``index`` (``unit.params[index]``), of full ``shape``, used at
+    ``locations`` (module, attribute name); ``sharded``: this rank's piece (an ``nn.Parameter``
+    the unit made); ``stride``: the original's strides where not contiguous (``Strided`` form)."""
 
     def __init__(self, index: int, shape: torch.Size, locations: list, sharded: nn.Parameter,
                  offset: int = 0, stride: tuple[int, ...] | None = None):
         self.index, self.shape, self.locations = index, shape, locations
         self.sharded = sharded
         self._offset = offset  # where this rank's piece starts in the flattened parameter
-        # what the module computes with, made of its view (``unsharded``)
         self.form: api.ParamForm = AS_IS if stride is None else Strided(stride)
 
     def unsharded(self, view: torch.Tensor) -> torch.Tensor:
@@ -129,10 +121,9 @@ class ShardedParam:
         return new
 
     def accumulate_grad(self, grad: torch.Tensor | None) -> None:
-        """Add this rank's piece of the reduced gradient to ``sharded.grad``, then run the
-        parameter's post-accumulate-grad hooks, as FSDP2 does (autograd never reaches
-        ``sharded``; torchtune's ``optimizer_in_bwd``). ``grad`` None (layout "whole", not the
-        owner): the hooks run all the same, on every rank, as ``opt.step()`` does."""
+        """Add this rank's piece to ``sharded.grad``, then run its post-accumulate-grad hooks as
+        FSDP2 does (autograd never reaches ``sharded``; torchtune's ``optimizer_in_bwd``), with
+        ``grad`` None too (layout "whole", not the owner): on every rank, as ``opt.step()``."""
         p = self.sharded
         if grad is not None:
             p.grad = grad if p.grad is None else p.grad.add_(grad)

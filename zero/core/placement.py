@@ -30,13 +30,9 @@ from zero.core.same_model import values
 
 
 class Placement:
-    """One parameter's place besides its rows (see the module note).
-
-    Args:
-        local_shape: the tensor the N = ``world_size`` data-parallel ranks share.
-        dim: FSDP2's shard dim (``Shard(dim)``).
-        spec: the parameter's own DTensor spec (tp mesh, placements, shape), or None.
-    """
+    """One parameter's place besides its rows (module note): ``local_shape`` is the tensor the
+    N = ``world_size`` data-parallel ranks share, ``dim`` FSDP2's shard dim (``Shard(dim)``),
+    ``spec`` the parameter's own DTensor spec (tp mesh, placements, shape), or None."""
 
     sends = False  # (its local rows go as any parameter's)
 

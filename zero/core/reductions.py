@@ -10,10 +10,8 @@ from zero.comm.context import label
 
 
 class Reductions:
-    """Args:
-    units: every unit under the root, in module order, the root first.
-    root: the per-root context (``zero/core/root.py``), whose ``CommContext`` issues them.
-    """
+    """The reductions of ``units`` (module order, the root first), issued through ``root``'s
+    ``CommContext`` (``zero/core/root.py``)."""
 
     def __init__(self, units: list, root):
         self.units, self.root = units, root

@@ -25,8 +25,7 @@ from zero.core.state import TrainingState
 if TYPE_CHECKING:
     from zero.core.unit import Unit
 
-# what a root's zero.shard decides for every unit
-GIVEN = ("backend", "prefetch", "schedule", "reduce_scatter_depth")
+GIVEN = ("backend", "prefetch", "schedule", "reduce_scatter_depth")  # the root's, for every unit
 
 
 def root_of(unit) -> "Root":
@@ -44,9 +43,7 @@ class Order:
         self.post_forward: list = []
 
     def begin(self) -> None:
-        """The root's forward opens an iteration."""
-        self.last_iteration, self.this_iteration = (self.this_iteration or
-                                                    self.last_iteration), []
+        self.last_iteration, self.this_iteration = (self.this_iteration or self.last_iteration), []
         self.post_forward = []
 
     def end(self) -> None:
@@ -56,10 +53,8 @@ class Order:
 
 
 class Root:
-    """Args:
-    context: the ``CommContext`` every collective of the model goes through.
-    given: what the user gave this ``zero.shard`` call of ``GIVEN`` (None where nothing).
-    """
+    """The per-root context: ``context``, the ``CommContext`` every collective goes through, and
+    ``given``, what the user gave this ``zero.shard`` call of ``GIVEN`` (None where nothing)."""
 
     def __init__(self, context, given: dict):
         self.context, self.given = context, given
@@ -220,7 +215,8 @@ class Root:
         written = [u for u in self.units if u.shard_written()]
         comm.agree(self._since_last_forward(written) + adoption.pending(self.units),
                    group=self.unit.mesh.all_group, ctx=self.context,
-                   device=self.unit.unsharded.device,                   fix="Every rank must run the same forward and backward passes, under the same "
+                   device=self.unit.unsharded.device,
+                   fix="Every rank must run the same forward and backward passes, under the same "
                        "no_sync, and the same opt.step(). A GradScaler must agree on found_inf "
                        "across ranks (zero.ShardedGradScaler); an `if finite:` guard must test a "
                        "value every rank shares (a norm from zero.clip_grad_norm_). An evaluation "

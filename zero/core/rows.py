@@ -31,12 +31,8 @@ def local_tensor(t):
 
 
 class RowsLayout:
-    """FSDP2's dim-0 chunks (see the module docstring).
-
-    Args:
-        shapes: the parameters' shapes as laid out (a tp local shape; ``Shard(d)``'s stack).
-        world_size: N.
-    """
+    """FSDP2's dim-0 chunks (module docstring) of ``shapes`` as laid out (tp: the local shape;
+    ``Shard(d)``: its stack) over ``world_size`` ranks."""
 
     name = "rows"
     copies = True  # gathered rank-major, computed parameter-major
@@ -158,8 +154,7 @@ def gather_sending(layout: RowsLayout, full: torch.Tensor, shard: torch.Tensor,
                    forms: dict[int, SendingForm], mesh: DeviceMesh, *, group, unit: str,
                    phase: str, ctx: Comm) -> Work:
     """One all-gather of the plain rows and each ``SendingForm``'s inputs (FSDP2's all-gather
-    extension; as bytes when dtypes differ). ``wait()`` fills ``full`` (N*S,) rank-major and
-    the forms' outputs."""
+    extension; bytes if dtypes differ); ``wait()`` fills ``full`` and the forms' outputs."""
     n = layout.world_size
     if mesh.ndim == 2:  # (HSDP's (replicate, shard): the shard dim, by the mesh's own names)
         mesh = mesh[cast(tuple, mesh.mesh_dim_names)[-1]]
@@ -200,8 +195,7 @@ class _Arrived:
             outs = [t.view(torch.uint8) if self.mixed else t for t in outs]
             # (outputs autograd may hold for backward are refilled, not changed: FSDP2's way)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                torch.split_with_sizes_copy(self.got.view(self.n, -1), self.sizes, dim=1,
-                                            out=outs)
+                torch.split_with_sizes_copy(self.got.view(self.n, -1), self.sizes, dim=1, out=outs)
         for form in self.forms.values():
             form.arrived(self.param_dtype)
         self.send = self.got = self.goes = None

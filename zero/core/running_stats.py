@@ -1,8 +1,5 @@
-"""Running statistics drift apart across ranks unless someone keeps them together: say so.
-
-BatchNorm's stats follow each rank's batch (the issue's case: eval outputs 0.035 apart after
-3 steps); DDP broadcasts them, FSDP2 does not, zero warns (notes/13-agreement.md).
-"""
+"""Running statistics drift apart across ranks unless someone keeps them together: say so
+(notes/13-agreement.md, "zero_grad, state_dict, buffers: DDP's habits")."""
 
 from __future__ import annotations
 

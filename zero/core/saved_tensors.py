@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import torch
 from torch._C._autograd import (  # type: ignore[attr-defined]
-    _pop_saved_tensors_default_hooks,
-    _push_saved_tensors_default_hooks,
-    _saved_tensors_hooks_is_enabled,
-    _top_saved_tensors_default_hooks,
-)
+    _pop_saved_tensors_default_hooks, _push_saved_tensors_default_hooks,
+    _saved_tensors_hooks_is_enabled, _top_saved_tensors_default_hooks)
 
 from zero.core import guards
 

@@ -1,7 +1,5 @@
-"""The schedule: which units' all-gathers start ahead of need (prefetch).
-
-A new prefetch policy goes here (``zero/api.py``'s ``Schedule``); notes/05-stage3.md, "Prefetch".
-"""
+"""The schedule: which units' all-gathers start ahead of need (prefetch). A new prefetch policy
+goes here (``zero/api.py``'s ``Schedule``); notes/05-stage3.md, "Prefetch"."""
 
 from __future__ import annotations
 

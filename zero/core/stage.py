@@ -36,9 +36,8 @@ class Stage:
         return self.keep_params and param_dtype == master_dtype
 
     def keeps_full_gradient(self, param_dtype, reduce_dtype, master_dtype) -> bool:
-        """Stage 1 keeps the full gradient and reduces it in place. Not through a cast: in
-        mixed precision it keeps every bf16 gradient whole until backward ends (the paper's
-        2Ψ), then reduces them through fp32 copies."""
+        """Stage 1 keeps the full gradient, reduced in place; not through a cast: then it keeps
+        each bf16 gradient whole until backward ends (the paper's 2Ψ) and reduces fp32 copies."""
         return self.keep_grads and reduce_dtype == param_dtype and reduce_dtype == master_dtype
 
     def reduces_when_complete(self, keeps_full_gradient: bool) -> bool:

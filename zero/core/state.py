@@ -1,8 +1,7 @@
 """The two states a unit is in: where it is in the iteration, and what it holds of its parameters.
 
-One enum each, members saying their transition (FSDP2's ``TrainingState`` and
-``ShardedState``, DeepSpeed's ``ZeroParamStatus``), moved by ``zero/core/hooks.py`` and
-``zero/core/unit.py``; ``Held``, ``Iteration`` and ``Controls`` beside them.
+One enum each, members saying their transition (FSDP2's ``TrainingState`` and ``ShardedState``,
+DeepSpeed's ``ZeroParamStatus``), moved by ``zero/core/hooks.py`` and ``zero/core/unit.py``.
 """
 
 from __future__ import annotations

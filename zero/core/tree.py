@@ -1,7 +1,5 @@
-"""Finding the tensors in a unit's inputs and outputs, wherever model code puts them.
-
-What FSDP2 walks (``torch.distributed.utils._apply_to_tensors``): notes/12-model-code.md.
-"""
+"""Finding the tensors in a unit's inputs and outputs, wherever model code puts them, as FSDP2
+walks them (``torch.distributed.utils._apply_to_tensors``): notes/12-model-code.md."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x: Any) -> Any:
         return dataclasses.replace(x, **changes)
     if isinstance(x, dict):
         out = x.copy()  # keeps the dict's class (OrderedDict, ...)
-        for key, value in x.items():
-            out[key] = map_tensors(fn, value)
+        out.update({key: map_tensors(fn, value) for key, value in x.items()})
         return out
     if isinstance(x, (list, tuple)):
         return type(x)(map_tensors(fn, item) for item in x)

@@ -4,18 +4,14 @@ The stage decides only *when* (``zero/core/stage.py``). The all-gather that asse
 parameters for forward is mirrored by the reduce-scatter that splits the gradient in backward
 (SimpleFSDP, arXiv:2411.00284). FSDP2's parameter group; notes/05-stage3.md.
 
-[Note: the three tensors of a unit]
-- ``sharded``: this rank's slice of the padded flat parameter (fp32 master weights), which
-  the optimizer updates through ``params``, one 1-D ``nn.Parameter`` view per original
-  parameter (FSDP1's ``use_orig_params``).
-- ``unsharded``: the whole padded flat parameter in the compute dtype, an autograd leaf. The
-  module computes with views into it (``layout.views``), so every gradient lands in one flat
-  ``unsharded.grad``, and a post-accumulate-grad hook fires when it is complete.
-- ``_unsharded_data``: the same storage under its own version counter; every all-gather
-  writes through it, so refilling storage saved for backward trips no in-place check.
-Stage 3 frees ``unsharded`` by resizing its storage to 0 bytes (notes/01-flat-parameter.md).
-Its ``ShardedState`` moves only in ``unshard``, ``wait_unshard``, ``reshard`` and
-``shard_changed``.
+[Note: the three tensors of a unit] (notes/01-flat-parameter.md)
+- ``sharded``: this rank's slice (fp32 master weights), stepped through ``params``, one 1-D
+  ``nn.Parameter`` view per original parameter (FSDP1's ``use_orig_params``).
+- ``unsharded``: the padded flat parameter in the compute dtype, an autograd leaf the module
+  computes with through views (``layout.views``): one flat ``.grad``, one hook when complete.
+- ``_unsharded_data``: the same storage under its own version counter; every all-gather writes
+  through it, so a refill trips no in-place check. Stage 3 frees the storage (resized to 0 bytes).
+Its ``ShardedState`` moves only in ``unshard``, ``wait_unshard``, ``reshard``, ``shard_changed``.
 """
 
 from __future__ import annotations
@@ -50,20 +46,14 @@ class AllGather(NamedTuple):
 
 
 class Unit:
-    """The sharded state of one ``zero.shard``-ed module (see the module note).
-
-    Args:
-        modules: the modules sharded together (usually one).
-        params, locations: its parameters, and each one's (module, attribute) slots.
-        config, mesh, controls: its ``UnitConfig``, ``MeshInfo`` and ``Controls``.
-        root: the per-root context it belongs to (``zero/core/root.py``).
-        forms: per parameter, None or ``make(sharded_param) -> ParamForm``.
-    """
+    """The sharded state of ``modules`` (usually one; ``zero.shard([a, b])``): the module note.
+    ``locations``: each parameter's (module, attribute) slots; ``forms``: per parameter, None or
+    ``make(sharded_param)``; ``root``: the per-root context (``zero/core/root.py``)."""
 
     def __init__(self, modules, params, locations, config: UnitConfig, mesh: MeshInfo,
                  controls: Controls, root,
                  forms: Sequence[Callable[[ShardedParam], api.ParamForm] | None] = ()):
-        self.modules = modules  # usually one; zero.shard([a, b]) makes one unit of several
+        self.modules = modules
         self.name = "+".join(type(m).__name__ for m in modules)  # the root renames by path
         self.config, self.mesh, self.controls = config, mesh, controls
         self.parent: Unit | None = None
@@ -227,7 +217,6 @@ class Unit:
         self.name = self.grads.name = name
 
     def piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's piece of a shard-sized buffer (empty if this rank holds none of it)."""
         return self.local.piece(shard, i)
 
     def exposed_piece(self, shard: torch.Tensor, i: int) -> torch.Tensor:
@@ -236,7 +225,6 @@ class Unit:
                                    self.mesh.placement)
 
     def attach(self, root) -> None:
-        """Belong to ``root`` (``Root.take``)."""
         self.root = root
 
     @property
@@ -252,7 +240,6 @@ class Unit:
                     g.reduction.grad if g.reduction else None, g.reduced, g.unsynced)
 
     def storage_key(self) -> int:
-        """Identifies the full buffer's storage; it survives ``resize_`` (free and re-gather)."""
         return self._unsharded_data.untyped_storage()._cdata
 
     # ---- parameters: unshard (all-gather) and reshard (free) -------------------------------

@@ -21,12 +21,8 @@ from zero.core.flat import LocalShard
 
 
 class WholeLayout:
-    """Each parameter whole on one rank (see the module docstring).
+    """Each of ``shapes`` whole on one of ``world_size`` ranks (see the module docstring)."""
 
-    Args:
-        shapes: the parameters' shapes.
-        world_size: N.
-    """
 
     name = "whole"
     copies = False  # each parameter is contiguous in the gathered buffer
