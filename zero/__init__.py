@@ -4,45 +4,37 @@ New to ZeRO? Read ``minimal.py`` first: the whole idea in one file. Then the pac
 role, read bottom-up: a file imports only from its own folder and those before it. Every file is
 named here (``tests/test_maps.py`` holds this list to the tree).
 
-- ``api.py`` every seam, as a protocol: ``Layout``, ``CommPolicy``, ``OffloadPolicy``,
-  ``Schedule``, ``Backend``, ``ParamForm`` (notes/15 says which idea goes through which); it
-  imports nothing of zero;
-- ``comm/`` the collectives: ``backend.py`` (the one place torch.distributed is called:
-  ``TorchBackend``), ``context.py`` (a root's ``CommContext``), ``ledger.py`` (every collective
-  recorded), ``waits.py`` (every wait bounded), ``agree.py`` (ranks that diverge raise),
-  ``collectives.py`` (the same collectives as functions), ``objects.py`` (Python objects between
-  ranks), ``flat_collectives.py`` (how a unit's flat buffers cross the ranks);
-- ``core/`` the mechanism: ``state.py`` (a unit's states, its iteration, its controls),
-  ``flat.py``, ``rows.py`` and ``whole.py`` (the three layouts), ``stage.py`` (the policy table and
-  every rule derived from it), ``config.py`` (a unit's frozen policies and its mesh: HSDP, hpZ),
-  ``tree.py`` (the tensors in structured inputs and outputs), ``placement.py`` (a parameter's
-  placement: tensor parallel, ``Shard(dim)``), ``param.py`` (one original parameter), ``grads.py``
-  (a unit's gradient), ``unit.py`` (the parameter group: unshard / reshard; ``held()``),
-  ``registry.py`` (who owns what), ``schedule.py`` (prefetch), ``reductions.py`` (the order of
-  reduce-scatters), ``guards.py``, ``saved_tensors.py`` and ``adoption.py`` (what stands between a
-  user and a silent wrong result: misuse, freed parameters, parameters replaced after sharding),
-  ``same_model.py`` (the ranks agree on the model), ``running_stats.py`` (BatchNorm's statistics
-  drifting apart), ``optimizers.py`` (which of torch's optimizers step pieces), ``root.py`` (what
-  the root does for all units), ``hooks.py`` (the life of a unit in one iteration);
-- ``checkpoint/`` sharded checkpoints on DCP in FSDP2's layout: ``dcp.py`` (save) and
-  ``loading.py`` (load), ``directory.py`` (the versions, the atomic flip of ``latest``),
-  ``fsdp2_layout.py`` (FSDP2's per-parameter chunks), read as data only (``reader.py``,
-  ``validate.py``, ``safe_pickle.py``); it asks the offload policies for the optimizer state
-  (``resident``) and imports no feature;
+- ``api.py`` every seam, as a protocol (notes/15: which idea goes where), importing nothing of zero;
+- ``comm/`` the collectives: ``backend.py`` (the one place torch.distributed is called),
+  ``context.py`` (a root's ``CommContext``), ``ledger.py`` (every collective recorded),
+  ``waits.py`` (every wait bounded), ``agree.py`` (ranks that diverge raise), ``collectives.py``
+  (the same, as functions), ``objects.py`` (Python objects between ranks), ``flat_collectives.py``
+  (how a unit's flat buffers cross the ranks);
+- ``core/`` the mechanism: ``state.py`` (a unit's states and controls), ``flat.py``, ``rows.py`` and
+  ``whole.py`` (the three layouts), ``stage.py`` (the policy table and its rules), ``config.py`` (a
+  unit's frozen policies and mesh), ``tree.py`` (structured inputs and outputs), ``placement.py``
+  (tensor parallel, ``Shard(dim)``), ``param.py`` (one original parameter), ``grads.py`` (a unit's
+  gradient), ``unit.py`` (the parameter group), ``registry.py`` (who owns what), ``schedule.py``
+  (prefetch), ``reductions.py`` (the order of reduce-scatters), ``guards.py``, ``saved_tensors.py``
+  and ``adoption.py`` (misuse, freed parameters, parameters replaced after sharding),
+  ``same_model.py`` (the ranks agree on the model), ``running_stats.py`` (BatchNorm's statistics),
+  ``optimizers.py`` (which optimizers step pieces), ``root.py`` (the root's work), ``hooks.py`` (the
+  life of a unit in one iteration);
+- ``checkpoint/`` sharded checkpoints on DCP in FSDP2's layout: ``dcp.py`` (save), ``loading.py``
+  (load), ``directory.py`` (the versions, the atomic flip of ``latest``), ``fsdp2_layout.py``
+  (FSDP2's per-parameter chunks), read as data only (``reader.py``, ``validate.py``,
+  ``safe_pickle.py``); it imports no feature (it asks the offload policies: ``resident``);
 - ``features/`` each one object behind a seam: ``offload.py`` (``OnDevice``, ``CPUOffload``),
-  ``disk_offload.py``, ``disk_store.py`` and ``disk_files.py`` (the optimizer state in files: the
-  policy, the store, the checked files), ``quantized.py`` and ``quantized_gradients.py`` (ZeRO++'s
-  qwZ and qgZ), ``logging_backend.py``, ``all_gather_extension.py`` (FSDP2's
-  ``fsdp_pre_all_gather``: a subclass decides what is sent), ``custom_collectives.py`` (FSDP2's
-  custom ``AllGather`` / ``ReduceScatter`` objects), ``wrap.py`` (FSDP1's auto-wrap policies and
-  strategies);
-- ``surface/`` what a user calls: ``shard.py`` (the entry point), ``options.py`` (its arguments in
-  one object), ``claim.py`` (which parameters a call takes), ``fsdp2.py``, ``fsdp2_module.py`` and
-  ``fsdp2_state.py`` (``fully_shard``: FSDP2's signature, its ``FSDPModule`` methods, what torch's
-  functions read of its state), ``policies.py`` (``MixedPrecision``, the layouts by name),
-  ``controls.py`` (FSDP2's control surface), ``clip.py``, ``full_state.py`` (full state dicts),
-  ``meta_init.py``, ``grad_scaler.py``, and ``attach.py`` (zero's hooks on the optimizers and
-  modules it serves);
+  ``disk_offload.py``, ``disk_store.py`` and ``disk_files.py`` (the optimizer state in files),
+  ``quantized.py`` and ``quantized_gradients.py`` (ZeRO++'s qwZ and qgZ), ``logging_backend.py``,
+  ``all_gather_extension.py`` (FSDP2's ``fsdp_pre_all_gather``), ``custom_collectives.py``
+  (FSDP2's custom ``AllGather`` / ``ReduceScatter``), ``wrap.py`` (FSDP1's auto-wrap);
+- ``surface/`` what a user calls: ``shard.py`` (the entry point), ``options.py`` (its arguments),
+  ``claim.py`` (which parameters a call takes), ``fsdp2.py``, ``fsdp2_module.py`` and
+  ``fsdp2_state.py`` (``fully_shard``, its ``FSDPModule`` methods, its state for torch),
+  ``policies.py`` (``MixedPrecision``, the layouts by name), ``controls.py`` (FSDP2's controls),
+  ``clip.py``, ``full_state.py``, ``meta_init.py``, ``grad_scaler.py``, and ``attach.py``
+  (zero's hooks on optimizers and modules);
 - ``__main__.py`` the command line (``python -m zero export``)."""
 
 from zero.checkpoint import load, save

@@ -1,7 +1,4 @@
-"""``python -m zero export CKPT OUT.pt``: a zero.save checkpoint as one plain torch.save file.
-
-The bench's tools watch zero from outside: ``python -m zerolab trace`` and ``... plan``.
-"""
+"""``python -m zero export CKPT OUT.pt``: a zero.save checkpoint as one plain torch.save file."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import torch
 
 from zero import checkpoint
 
-_MOVED = {"trace": "python -m zerolab trace", "plan": "python -m zerolab plan"}
+_MOVED = {"trace": "python -m zerolab trace", "plan": "python -m zerolab plan"}  # the bench's
 
 
 def main(argv: list[str] | None = None) -> None:

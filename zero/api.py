@@ -1,15 +1,11 @@
 """Every seam of the mechanism, written down: exactly what the mechanism calls, and how.
 
 FSDP2 keeps its policies and interfaces side by side in ``_fsdp_api.py``; these are ours. Each
-is a ``typing.Protocol`` listing the members the mechanism uses, with the signatures it calls
-them with: a layout, comm policy, offload policy, schedule or backend is any object with these
-members. ``zero.shard`` checks what it is given against them (``check``) and names what
-differs, so a new idea is one new object written from this file alone
-(``tests/core/test_seam_toys.py`` writes one of each). notes/15-where-ideas-go.md, section
-"The seams", says which idea goes through which seam, zero's own objects for each and where
-the mechanism calls them. ``ParamForm`` is set by the mechanism per parameter, not given to
-``zero.shard``; ``Comm`` and ``UnitView`` are what a seam is handed. mypy holds zero's own
-objects to their protocols (``tests/test_types.py``).
+is a ``typing.Protocol`` of the members the mechanism uses, with the signatures it calls them
+with; ``zero.shard`` checks what it is given against them (``check``) and names what differs,
+so a new idea is one new object written from this file alone (``tests/core/test_seam_toys.py``
+writes one of each). Which idea goes through which seam: notes/15-where-ideas-go.md, "The
+seams". mypy holds zero's own objects to their protocols (``tests/test_types.py``).
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class Piece:
-    """The part of parameter ``param_index`` that falls in one rank's shard: elements
-    ``[param_offset, param_offset + length)`` of the flattened parameter sit at
-    ``[shard_offset, shard_offset + length)`` of that rank's shard."""
+    """Elements ``[param_offset, param_offset + length)`` of flattened parameter ``param_index``,
+    at ``[shard_offset, shard_offset + length)`` of one rank's shard."""
 
     param_index: int
     param_offset: int
@@ -55,10 +50,9 @@ class Work(Protocol):
 
 
 class Comm(Protocol):
-    """The root's comm context (``zero/comm/context.py``), as a policy sees it: each
-    collective is recorded (``unit``, ``phase`` name it in the ledger), agreed in check mode,
-    bounded in its wait and sent through the root's backend. With ``async_op`` a handle is
-    returned; without, the collective has ended on return."""
+    """The root's comm context (``zero/comm/context.py``), as a policy sees it: each collective
+    recorded (``unit``, ``phase`` name it in the ledger), agreed in check mode, bounded in its wait,
+    sent through the root's backend; with ``async_op`` it returns a handle, else it has ended."""
 
     @property
     def backend(self) -> Backend: ...  # its questions: ``global_rank``, ``world()``...
@@ -203,10 +197,9 @@ class Schedule(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """The collectives themselves (``zero/comm/backend.py``), the group explicit; the root's
-    (``zero/comm/context.py``) carries every collective and question about a group. Optional:
-    ``host_group(group)``, the same ranks for host metadata where ``group`` moves only device
-    memory (``TorchBackend``'s; without it, that metadata stays on ``group``)."""
+    """The collectives themselves (``zero/comm/backend.py``), the group explicit, held by the
+    root's ``CommContext``. Optional: ``host_group(group)``, the same ranks for host metadata where
+    ``group`` moves only device memory (``TorchBackend``'s; without it, it stays on ``group``)."""
 
     def rank(self, group=None) -> int: ...
     def world_size(self, group=None) -> int: ...

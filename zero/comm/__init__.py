@@ -1,8 +1,6 @@
 """The collectives layer: the only part of zero that talks to other ranks.
 
-Read bottom-up, as ``zero/__init__.py`` lists it: ``backend``, ``ledger``, ``waits``,
-``objects``, ``agree``, ``context`` (a ``CommContext`` per root issues every collective of a
-model), ``collectives``, ``flat_collectives``. Nothing here knows about units, stages or
+Read bottom-up, in ``zero/__init__.py``'s order. Nothing here knows about units, stages or
 modules: the mechanism (``zero/core``) calls down.
 """
 

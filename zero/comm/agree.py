@@ -2,10 +2,9 @@
 
 [Note: agreement] A collective pairs with whatever collective the other ranks issue next, so
 ranks that took different paths wait forever, or exchange the wrong unit's data. ``agree(what)``
-makes every rank state what it is about to do, in one small all-gather, and raises on every
-rank, naming what each was doing, if they differ. zero agrees where what follows is decided;
-with ``ZERO_CHECK=1``, before every collective as well. Where, and at what cost:
-notes/13-agreement.md, "Agreeing on what comes next".
+(one small all-gather) raises on every rank, naming what each was about to do, if they differ.
+zero agrees where what follows is decided; with ``ZERO_CHECK=1``, before every collective as
+well. Where, and at what cost: notes/13-agreement.md, "Agreeing on what comes next".
 """
 
 from __future__ import annotations
@@ -39,10 +38,9 @@ class AgreementTimeout(Disagreement, waits.CollectiveTimeout):
 
 def agree(what: str, *, group=None, device=None, fix: str = "", error=Disagreement,
           ctx) -> None:
-    """Every rank of ``group`` says ``what`` it is about to do; raise ``error`` on all of them
-    if they differ, or if one never joins within ``ZERO_TIMEOUT``. ``fix`` ends the message.
-    ``ctx``: the ``CommContext`` (it counts the agreements; it goes through ``ctx.host``);
-    ``device`` is not used (kept for callers written before)."""
+    """Every rank of ``group`` says ``what`` it is about to do; ``error`` on all if they differ, or
+    if one never joins within ``ZERO_TIMEOUT`` (``fix`` ends its message). ``ctx`` counts the
+    agreements; ``device`` is not used (kept for callers written before)."""
     if ctx.alone(group) or ctx.simulated(group):
         return
     group, device = ctx.host(group)  # (on the host: reading the result syncs no device)

@@ -1,10 +1,9 @@
 """The one place that calls ``torch.distributed``: the seam for another backend.
 
 ``TorchBackend`` is ``zero/api.py``'s ``Backend``: each method is the ``torch.distributed``
-call of the same name, the group explicit. Every collective zero issues goes through one, held
-by the root's ``CommContext``; another transport (``zero/features/logging_backend.py``) wraps or
-replaces it, given to ``zero.shard(..., backend=...)``. What makes groups and meshes, which
-moves no data, is not here (notes/15, "What does not go through the backend").
+call of the same name, the group explicit; the root's ``CommContext`` holds one, which another
+(``zero/features/logging_backend.py``) may wrap or replace. What moves no data (making groups and
+meshes) is not here: notes/15, "What does not go through the backend".
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ def _moves_host_memory(pg) -> bool:
 
 
 class TorchBackend:
-    """``torch.distributed``'s collectives, with the group explicit (``zero/api.py``'s
-    ``Backend``). It holds no state: one is as good as another."""
+    """The module docstring's; it holds no state: one is as good as another."""
 
     def __repr__(self) -> str:
         return "TorchBackend()"
@@ -103,8 +101,7 @@ class TorchBackend:
 
     def host_group(self, group):
         """A group of ``group``'s ranks that moves host memory (``CommContext.host``): ``group``
-        itself where it has a CPU backend too (torch's default on an accelerator), else a new
-        gloo group, bounded by ``ZERO_TIMEOUT``."""
+        itself where it has a CPU backend too, else a new gloo group bounded by ``ZERO_TIMEOUT``."""
         pg = group if group is not None else dist.group.WORLD
         if _moves_host_memory(pg):
             return group
@@ -120,4 +117,3 @@ class TorchBackend:
         if kind not in _BOUNDED:
             return "none"
         return "thread" if (kind, op) in _IGNORED else "timeout"
-

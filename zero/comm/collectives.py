@@ -1,9 +1,8 @@
 """The collectives as functions: ``zero.comm.all_gather(output, input, group=..., ctx=...)``.
 
-Each is ``torch.distributed``'s of the same name, issued through a ``CommContext``
-(``zero/comm/context.py``; a fresh default one without ``ctx``): recorded, agreed in check
-mode, its wait bounded. With ``async_op=True`` it returns a handle to ``wait()`` on. A group of
-one rank does the local equivalent and records nothing, as FSDP2.
+Each is ``CommContext``'s of the same name (a fresh default context without ``ctx``): recorded,
+agreed in check mode, its wait bounded; with ``async_op=True`` a handle to ``wait()`` on. A
+group of one rank does the local equivalent and records nothing, as FSDP2.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ def all_gather(output, input, *, group=None, unit="", phase="other", async_op=Fa
 
 def reduce_scatter(output, input, *, op="avg", group=None, unit="", phase="other",
                    async_op=False, ctx: CommContext | None = None):
-    """(N * shard,) on every rank -> (shard,): rank r gets slice r of the sum (or mean) over ranks."""
+    """(N * shard,) on every rank -> (shard,): rank r gets slice r of the sum (or mean)."""
     return context_of(ctx).reduce_scatter(output, input, op=op, group=group, unit=unit,
                                           phase=phase, async_op=async_op)
 

@@ -1,21 +1,16 @@
 """What the collectives layer keeps between calls, in one object per root: a ``CommContext``.
 
-Its backend, its groups' names in the ledger, the collectives issued on each group (for the
-message of a wait that expires), the agreements so far (ranks must count alike), and the
-device's streams. FSDP2's ``FSDPCommContext``, one per root: every collective of a model and
-every question about a group goes through its root's (notes/15, "One context per root"); code
-of no model gets a fresh one (``context_of``).
+FSDP2's ``FSDPCommContext``: every collective of a model and every question about a group goes
+through its root's (notes/15, "One context per root"); code of no model gets a fresh one
+(``context_of``).
 
-[Note: streams] On an accelerator the collectives run beside the computation, on the
-context's own streams, as FSDP2's (``Streams``): an all-gather's copy-in (a cast, a
-host-to-device copy) on ``copy_in``, the all-gather on ``all_gather``, a gradient's preparation
-and reduce-scatter on ``reduce_scatter``, HSDP's all-reduce on ``all_reduce``. Each side stream
-first waits for what the computation queued before it, and the computation waits for the side
-stream's event (and the collective) before it reads the result. Memory is never handed between
-streams with ``record_stream``: whatever a side stream or a collective reads stays referenced
-by the work in flight (``AllGather``, ``Reduction``) until the computing stream has waited for
-it, as FSDP2's ``AllGatherState``/``ReduceScatterState``. On the CPU torch's stand-ins do
-nothing, and not a bit changes. Priority -1, as FSDP2's: collectives ahead of queued compute.
+[Note: streams] On an accelerator the collectives run beside the computation, on the context's
+own streams (``Streams``), as FSDP2's. Each side stream first waits for what the computation
+queued before it, and the computation waits for the side stream's event (and the collective)
+before it reads the result. Memory is never handed between streams with ``record_stream``:
+whatever a side stream or a collective reads stays referenced by the work in flight
+(``AllGather``, ``Reduction``) until the computing stream has waited for it, as FSDP2's
+``AllGatherState``/``ReduceScatterState``. On the CPU torch's stand-ins do nothing (notes/15).
 
 [Note: profiler labels] Each hook, collective and wait runs inside a profiler range named as
 FSDP2 names its own, with zero's prefix for FSDP2's (``zero::all_gather (blocks.0)`` beside
@@ -35,8 +30,7 @@ from zero.comm.backend import TorchBackend
 
 
 class Handle:
-    """A collective in flight: ``wait()`` is bounded and notes in its record when it returned
-    (on NCCL: when the current stream was told to wait, not when the bytes arrived)."""
+    """A collective in flight: ``wait()`` is bounded, and notes when it returned (its record's)."""
 
     def __init__(self, work, op: str, name: str, group, record: ledger.Record | None,
                  ctx):
@@ -72,8 +66,7 @@ def _issue(op: str, buffer, factor: float, group, unit: str, phase: str, async_o
 
 
 class Streams:
-    """The device's four streams for the collectives, and the calls to use them, through
-    ``torch.get_device_module`` (CUDA's, XPU's, or the CPU's stand-ins)."""
+    """The device's four streams for the collectives (the module note), and how to use them."""
 
     def __init__(self, device: torch.device):
         self.module = torch.get_device_module(device)
@@ -103,8 +96,7 @@ class Streams:
 
 class CommContext:
     """Args:
-    backend: the ``Backend`` every collective goes through (default: ``TorchBackend()``,
-        ``torch.distributed`` itself).
+    backend: the ``Backend`` every collective goes through (default: ``TorchBackend()``).
     """
 
     def __init__(self, backend=None):
@@ -145,9 +137,8 @@ class CommContext:
         return self._hosts.get(self._key(group)) or (group, self.default_device(group))
 
     def make_host(self, group=None) -> None:
-        """Make ``group``'s twin for host metadata where it moves only device memory (NCCL):
-        the backend's ``host_group``. The root calls it right after its first forward's
-        agreement, so every rank makes it at the same point."""
+        """Make ``group``'s twin for host metadata (NCCL: the backend's ``host_group``); the root
+        calls it after its first forward's agreement, so every rank makes it at the same point."""
         key = self._key(group)
         make = getattr(self.backend, "host_group", None)
         if key in self._hosts or make is None or self.backend.name(group) in ("gloo", "fake"):
@@ -173,8 +164,7 @@ class CommContext:
 
     def all_gather(self, output, input, *, group=None, unit: str = "", phase: str = "other",
                    async_op: bool = False):
-        """(shard,) on every rank -> (N * shard,) on every rank, rank r's shard at
-        [r * shard, ...). ``input`` may be rank r's slice of ``output`` (in place)."""
+        """(shard,) per rank -> (N*shard,) on every rank (``collectives.all_gather``'s)."""
         if self.alone(group):  # the shard is the whole
             return self._local(async_op, output, input)
         return _issue("all_gather", output, 1.0, group, unit, phase, async_op, self,
@@ -191,8 +181,7 @@ class CommContext:
 
     def all_to_all(self, output, input, *, group=None, unit: str = "", phase: str = "other",
                    async_op: bool = False):
-        """(N * chunk,) on every rank -> (N * chunk,): rank r's chunk s goes to rank s, as
-        chunk r."""
+        """(N*chunk,) on every rank -> (N*chunk,): rank r's chunk s goes to rank s, as chunk r."""
         if self.alone(group):
             return self._local(async_op, output, input)
         return _issue("all_to_all", input, 1.0, group, unit, phase, async_op, self,
@@ -216,9 +205,8 @@ class CommContext:
 
     def launch(self, op: str, buffer, start, *, group=None, unit: str = "",
                phase: str = "other", async_op: bool = False):
-        """A collective that ``start()`` issues itself (FSDP2's custom objects:
-        ``zero/features/custom_collectives.py``), recorded with ``buffer`` (its full (N*S,)
-        buffer); ``start()`` returns a handle, or None for a call that has finished."""
+        """A collective that ``start()`` issues itself (FSDP2's custom objects), recorded with its
+        full (N*S,) ``buffer``; ``start()`` returns a handle, or None for a call that has ended."""
         factor = 2.0 if op == "all_reduce" else 1.0
         return _issue(op, buffer, factor, group, unit, phase, async_op, self,
                       lambda b: start())

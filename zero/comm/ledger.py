@@ -1,6 +1,6 @@
 """The ledger: every collective zero issues, as this rank saw it.
 
-A record says what moved, for which unit and in which phase of the step::
+A record says what moved, for which unit and in which phase of the step (notes/02 reads one)::
 
     with zero.Ledger() as ledger:
         loss = model(x).sum(); loss.backward(); opt.step()
@@ -8,9 +8,7 @@ A record says what moved, for which unit and in which phase of the step::
     ledger.sent_bytes(op="all_gather", phase="forward")
 
 Bytes sent follow ring accounting ((N-1)/N of the full buffer for an all-gather or a
-reduce-scatter, twice that for an all-reduce), as the ZeRO paper counts Ψ and 2Ψ (section 7);
-notes/02-collectives-and-the-ledger.md reads a step's ledger. ``Ledger(on_record=fn)`` watches
-the mechanism from outside: ``fn(record)`` as each is made, before its launch.
+reduce-scatter, twice that for an all-reduce), as the ZeRO paper counts Ψ and 2Ψ (section 7).
 """
 
 from __future__ import annotations
@@ -23,15 +21,12 @@ from typing import Any, Callable
 
 import torch
 
-# The ledgers active here: a context variable (each thread of execution its own; work done
-# for this code on another thread runs in a copy of its context, as disk offload's I/O does).
+# The ledgers active here: a context variable (disk offload's I/O thread runs in a copy of it).
 _ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_ledgers", default=())
 
-# [Note: host side] Two collectives carry only what the host knows: the agreement and, at the
-# end of backward, which parameters each rank's backward reached. They go through
-# ``CommContext.host(group)``: on NCCL a gloo group of the same ranks, so that reading their
-# result never waits for the device's queued work (a sync each step, which DDP and FSDP2 do not
-# make). ``on_host()`` marks them (``zerolab/emulate.py`` leaves them off the device's timeline).
+# [Note: host side] The agreement and backward's used flags carry only what the host knows:
+# through ``CommContext.host(group)`` (on NCCL a gloo group of the same ranks), reading them never
+# waits for the device's queued work. ``on_host()`` marks them (``zerolab/emulate.py``'s timeline).
 _ON_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("zero_on_host", default=False)
 
 
@@ -105,8 +100,7 @@ class Ledger:
 
 def record(op: str, buffer: torch.Tensor, factor: float, group, unit: str, phase: str,
            ctx) -> Record | None:
-    """Note a collective about to be launched in every active ledger (None if there is none);
-    ``ctx`` (its ``CommContext``) names the group and counts its ranks."""
+    """Note a collective about to launch in every active ledger (None if none), its group's."""
     active = _ACTIVE.get()
     if not active:
         return None
@@ -126,8 +120,7 @@ def _note(active: tuple, rec: Record) -> None:
 
 
 def record_copy(kind: str, tensor: torch.Tensor, unit: str, phase: str) -> Record | None:
-    """Note a copy between host and device (``kind`` "h2d" or "d2h") or between memory and
-    disk ("read", "write"): bytes moved, none sent."""
+    """Note a copy, host and device ("h2d", "d2h") or memory and disk ("read", "write")."""
     active = _ACTIVE.get()
     if not active:
         return None

@@ -1,8 +1,7 @@
 """Python objects between ranks, for rare, small metadata (error reports, checkpoint checks).
 
 torch's ``all_gather_object`` waits without a bound; this one is two bounded all-gathers
-(``zero/comm/waits.py``): each rank's pickle size, then every rank's pickle, padded to the
-largest. It is not in the ledger (as torch's was not): it carries no training data.
+(``zero/comm/waits.py``), not in the ledger (as torch's was not): it carries no training data.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Every wait is bounded: a rank left alone in a collective raises, saying what it waited for.
 
-Ranks that took different paths wait for each other until the process group's timeout (30
-minutes) and then fail with a message about sockets. Here every ``wait()`` zero makes is bounded
-by ``ZERO_TIMEOUT`` seconds (default 300; 0 removes the bound) and raises ``CollectiveTimeout``
-naming the collective, what this rank issued before it and the usual causes. The bound is a
-timeout on the wait itself, where the backend can bound one (``Backend.bounded_wait``). Why 300
-s, and what gloo and NCCL honour: notes/13-agreement.md, "Every wait has a bound".
+Every ``wait()`` zero makes is bounded by ``ZERO_TIMEOUT`` seconds (default 300; 0 removes the
+bound), not the process group's 30 minutes, and raises ``CollectiveTimeout`` naming the
+collective, what this rank issued before it and the usual causes. Why 300 s, and what gloo and
+NCCL honour: notes/13-agreement.md, "Every wait has a bound".
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ import time
 
 DEFAULT_TIMEOUT_S = 300.0
 
-# The collectives whose wait expired in this thread of execution (``expired``): a context
-# variable, not a process-wide list: it belongs to the code that waited.
+# The collectives whose wait expired here (``expired``): a context variable, the waiting code's.
 _EXPIRED: contextvars.ContextVar[tuple] = contextvars.ContextVar("zero_expired", default=())
 
 
@@ -39,8 +36,7 @@ def expired() -> list[str]:
 
 def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
     """``work.wait()``, bounded by ``ZERO_TIMEOUT`` where the backend allows it (or ``always``:
-    the CPU reads the result at once); ``ctx``: the ``CommContext`` it was issued through.
-    ``work`` None: a blocking call that had finished."""
+    the CPU reads the result at once); ``work`` None: a blocking call that had finished."""
     if work is None:
         return None
     seconds = timeout_seconds()
@@ -62,12 +58,11 @@ def wait(work, name: str, group, ctx, op: str = "", always: bool = False):
             raise CollectiveTimeout(
                 f"rank {ctx.backend.rank(group)}: collective {name} failed after {waited:.1f} s, "
                 f"before the {seconds:.0f} s bound: {e}. A peer process most likely died: gloo "
-                "aborts a process whose collective does not match the others' in size (a rank "
-                "that skipped a unit, ran one twice, or ran backward alone), and the others "
-                "then see its connections close. Look at the other ranks' output for the first "
-                "error, and run again with ZERO_CHECK=1: every rank then names the first "
-                "collective that differs. Before it, this rank issued: "
-                f"{'; '.join(before) or 'nothing'}") from e
+                "aborts a process whose collective does not match the others' in size (a rank that "
+                "skipped a unit, ran one twice, or ran backward alone), and the others then see "
+                "its connections close. Look at the other ranks' output for the first error, and "
+                "run again with ZERO_CHECK=1: every rank then names the first collective that "
+                f"differs. Before it, this rank issued: {'; '.join(before) or 'nothing'}") from e
         raise CollectiveTimeout(
             f"rank {ctx.backend.rank(group)} waited {seconds:.0f} s for collective {name} and "
             f"the other ranks never joined it. Before it, this rank issued: "

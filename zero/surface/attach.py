@@ -1,20 +1,15 @@
 """What zero does about the code around the units: optimizers, state dicts, old parameters.
 
-Sharding replaces each parameter by this rank's 1-D piece of it. Whatever still reaches the old
-tensors, or reads the pieces as if they were whole, would compute silently wrong results; each
-way in gets a hook that does the right thing or raises, naming the fix: an optimizer over the
-pieces (a step pre- and post-hook: notes/03-stage1.md, "Hooks on the optimizer"), the original
-parameters (notes/13-agreement.md, "zero_grad, state_dict, buffers"), ``load_state_dict(sd,
-assign=True)`` (the units adopt the new parameters: notes/18-edge-cases.md), and
-``module.state_dict()`` / ``load_state_dict()`` (they raise, naming ``zero.full_state_dict``
-and ``zero.save``).
+Whatever still reaches the replaced parameters, or reads the 1-D pieces as if they were whole, would
+compute silently wrong results; each way in gets a hook that does the right thing or raises, naming
+the fix: an optimizer over the pieces (notes/03-stage1.md, "Hooks on the optimizer"), the original
+parameters and ``module.state_dict()`` (notes/13-agreement.md, "zero_grad, state_dict, buffers"),
+``load_state_dict(sd, assign=True)`` (the units adopt the new parameters: notes/18-edge-cases.md).
 
-[Note: finding the optimizers] torch gives no hook for an optimizer being built, so zero
-learns of one at its first step: the first ``zero.shard`` of a process registers torch's global
-step pre-hook (``watch``), which attaches zero's two hooks to each optimizer over its pieces.
-It listens for the life of the process (an optimizer may be built at any time: a second
-fine-tuning phase) and holds no model (a listener per model could be removed while torch walks
-the hooks); an optimizer already looked at costs one look at its ``_zero_seen`` mark.
+[Note: finding the optimizers] torch gives no hook for an optimizer being built, so zero learns of
+one at its first step: the first ``zero.shard`` of a process registers torch's global step pre-hook
+(``watch``), which attaches zero's two hooks to each optimizer over its pieces. Why one a process,
+holding no model: notes/15-where-ideas-go.md, "What does not go through the backend".
 """
 
 from __future__ import annotations
@@ -60,7 +55,7 @@ def install(modules: list[nn.Module]) -> None:
 
 
 def watch() -> None:
-    """Listen for the first step of the optimizers over zero's units, once a process (module note)."""
+    """Listen for the first step of the optimizers over zero's units, once a process (the note)."""
     marked = torch_optimizer  # (zero's mark on torch's module, beside the hooks it keeps)
     if not getattr(marked, "_zero_watching", False):
         register_optimizer_step_pre_hook(discover)
@@ -74,8 +69,7 @@ def discover(optimizer, args, kwargs) -> None:
 
 
 def serve(optimizer) -> None:
-    """Attach zero's two hooks to ``optimizer`` if it holds zero's pieces (looked at again
-    only if a parameter group was added since)."""
+    """Attach zero's two hooks to ``optimizer`` if it holds zero's pieces (once per group added)."""
     seen = optimizer.__dict__.get("_zero_seen")
     if seen is not None and seen[0] == len(optimizer.param_groups):
         return
@@ -139,10 +133,9 @@ def _settings(optimizer) -> list[str]:
     return [repr({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
 
 
-# [Note: an optimizer's state dict] It holds this rank's pieces by position, which DCP (or a
-# rank 0 file loaded everywhere) would take for replicated state: from an optimizer's first
-# step over pieces on, its state_dict() and load_state_dict() raise, naming what does it right
-# (with layout "rows" the state is FSDP2's DTensors, and they work). State loaded before the
+# [Note: an optimizer's state dict] It holds this rank's pieces by position, which DCP would take
+# for replicated state: from its first step over pieces on, its state_dict() and load_state_dict()
+# raise, naming the fix (layout "rows": FSDP2's DTensors, which work). State loaded before the
 # first step is checked then: every elementwise state must have its piece's shape.
 
 
@@ -196,15 +189,13 @@ def _refuse_whole_tensor_optimizers(optimizer, units) -> None:
     if kind in WHOLE_TENSOR and piecewise:
         raise RuntimeError(
             f"torch.optim.{kind} reads each parameter whole ({WHOLE_TENSOR[kind]}), but "
-            f"layout={piecewise[0]!r} gives it only this rank's part of each one: it would "
-            "compute something else, silently. Shard with zero.shard(..., layout='whole'): "
-            "each parameter then lives whole on one rank, and that rank's optimizer sees it "
-            "in its own shape")
+            f"layout={piecewise[0]!r} gives it only this rank's part of each one: it would compute "
+            "something else, silently. Shard with zero.shard(..., layout='whole'): each parameter "
+            "then lives whole on one rank, and that rank's optimizer sees it in its own shape")
 
 
 def _after_step(optimizer, args, kwargs) -> None:
-    """The policies' part after the step; then mark the optimizer's units stepped, on every
-    rank, even one that holds none of a unit's elements (``whole``)."""
+    """The policies' part after the step; then every unit stepped, even one with no element here."""
     units = units_of_optimizer(optimizer)
     settings = optimizer.__dict__.pop("_zero_step_settings", None)
     if settings is not None and settings != _settings(optimizer):
@@ -236,8 +227,7 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
 
 
 def _adopt_after_load(module, incompatible_keys) -> None:
-    """After ``load_state_dict(sd, assign=True)`` the units adopt the new parameters, once the
-    ranks agree that they all replaced the same (zero/core/adoption.py's note)."""
+    """After ``load_state_dict(sd, assign=True)``, once the ranks agree, the units adopt."""
     units = registry.units_on(module)
     if units and not state_dict_access_granted():  # (zero's own loads put views there)
         comm.agree(f"adopt what load_state_dict put in {type(module).__name__}"

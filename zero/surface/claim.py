@@ -1,7 +1,6 @@
 """Which parameters a ``zero.shard`` call claims for its unit, and what it refuses to claim.
 
-Those of its module(s) that no unit below owns and that are not ignored, with all their users
-inside. Local to a rank: ``zero.shard`` runs it inside ``comm.raising_together``.
+Local to a rank: ``zero.shard`` runs it inside ``comm.raising_together``.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ def claim(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forward
     if reshard_after_forward is not None and stage != 3:
         raise ValueError("reshard_after_forward only applies to stage 3; leave it None")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
-        raise TypeError("mp_policy must be a zero.MixedPrecision or torch's "
-                        "MixedPrecisionPolicy")
+        raise TypeError("mp_policy must be a zero.MixedPrecision or torch's MixedPrecisionPolicy")
     for module in modules:
         if registry.unit_on(module) is not None:
             raise RuntimeError(
@@ -47,8 +45,7 @@ def claim(modules: list[nn.Module], stage: int, mp_policy, reshard_after_forward
 
 
 def device_of(module: nn.Module, device, default) -> torch.device:
-    """Where the unit computes: where ``module`` is, or ``device`` (or ``default``, the
-    group's) when it is on the meta device."""
+    """Where the unit computes: where ``module`` is, or on meta ``device`` (or ``default``)."""
     found = next(iter([*module.parameters(), *module.buffers()]), None)
     if found is not None and found.device.type != "meta":
         if device is not None and torch.device(device) != found.device:
@@ -59,8 +56,7 @@ def device_of(module: nn.Module, device, default) -> torch.device:
 
 
 def _own_parameters(modules: list[nn.Module], children: list, ignored: set[int]):
-    """The parameters this unit takes (not owned below, not ignored), each with every place
-    it is used."""
+    """The parameters this unit takes (not owned below, not ignored), each with its every use."""
     inside = {u: {id(m) for top in u.modules for m in top.modules()} for u in children}
     found: dict[int, tuple[nn.Parameter, list]] = {}
     for top in modules:

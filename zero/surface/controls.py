@@ -1,11 +1,8 @@
 """FSDP2's controls, with FSDP2's names and meaning: functions of the sharded module.
 
-FSDP2 makes them methods (``model.unshard()``); here the module is the first argument
-(``zero.unshard(model)``), because zero does not change your module's class, and ``no_sync`` is
-DDP's. One difference, on purpose: FSDP2's ``unshard()`` only gathers; ours also *pins* the
-unit, so that a loop of forwards (evaluation, generation) runs on gathered parameters without a
-gather per forward, until ``reshard``. An optimizer step meanwhile re-gathers the pinned unit
-from its new shard at the next forward.
+The module is the first argument (FSDP2's ``model.unshard()`` is ``zero.unshard(model)``: zero
+keeps your module's class); ``no_sync`` is DDP's. On purpose, our ``unshard()`` also *pins* the
+unit: forwards (evaluation, generation) gather nothing until ``reshard``, but once after a step.
 """
 
 from __future__ import annotations

@@ -2,15 +2,12 @@
 
 Code written for FSDP2 (torchtitan) asks ``isinstance(module, FSDPModule)``, calls its methods,
 reads DTensor parameters and saves through DCP, and silently skips what it does not find (a
-divide factor never set halves the gradients). So this does what ``fully_shard`` does, with
-``zero.shard`` underneath: the module's class becomes ``FSDP<Class>``, a subclass of torch's
-``FSDPModule`` and of the original (``zero/surface/fsdp2_module.py``); the layout is "rows", so
-training is bitwise FSDP2's; each unit's collectives go through its own
+divide factor never set halves the gradients). So the module's class becomes ``FSDP<Class>``, a
+subclass of torch's ``FSDPModule`` and of the original (``fsdp2_module.py``); the layout is
+"rows", so training is bitwise FSDP2's; each unit's collectives go through
 ``zero/features/custom_collectives.py``; each FSDP2 argument is taken or refused by name
-(notes/11-conformance.md, "FSDP2's surface, item by item"). ``stage`` picks the ZeRO stage (3
-by default): at stages 1 and 2 the FSDP2 calls that ask to free the parameters warn that they
-are not honoured (``not_freed``). torchtitan trains on it unchanged:
-``benchmarks/torchtitan_example.py``.
+(notes/11-conformance.md, "FSDP2's surface, item by item"). At ``stage`` 1 and 2 the calls that
+free the parameters warn (``not_freed``). torchtitan: ``benchmarks/torchtitan_example.py``.
 """
 
 from __future__ import annotations
@@ -39,9 +36,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     Args:
         module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
             ignored_params, dp_mesh_dims: FSDP2's; each taken or refused by name.
-        stage: the ZeRO stage, 1, 2 or 3. At stages 1 and 2 the parameters stay gathered
-            by definition, so ``reshard_after_forward`` does not apply there (``True`` warns
-            that it is not honoured).
+        stage: the ZeRO stage, 1, 2 or 3. At 1 and 2 the parameters stay gathered, so
+            ``reshard_after_forward`` does not apply (``True`` warns that it is not honoured).
         layout: "rows" (FSDP2's, the default), "flat" or "whole" (``zero.shard``).
         device: where the shards live when ``module`` is on the meta device.
         backend, prefetch, schedule, reduce_scatter_depth: ``zero.shard``'s, the root's to
@@ -66,12 +62,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
         mp_policy = MixedPrecision.from_torch(mp_policy)
         if mp_policy == MixedPrecision():
             mp_policy = None  # FSDP2's default policy: compute as stored
-    shard(modules if len(modules) > 1 else modules[0], stage=stage, mesh=mesh,
+    shard(modules if len(modules) > 1 else modules[0], stage=stage, mesh=mesh, device=device,
           mp_policy=mp_policy, reshard_after_forward=reshard_after_forward if stage == 3 else None,
-          ignored_params=ignored_params, layout=layout, device=device,
-          offload_policy=offload_policy, secondary_group=secondary_group,
-          shard_placement_fn=shard_placement_fn, backend=backend, prefetch=prefetch,
-          schedule=schedule, reduce_scatter_depth=reduce_scatter_depth,
+          ignored_params=ignored_params, layout=layout, offload_policy=offload_policy,
+          secondary_group=secondary_group, shard_placement_fn=shard_placement_fn, backend=backend,
+          prefetch=prefetch, schedule=schedule, reduce_scatter_depth=reduce_scatter_depth,
           comm_policy=CustomCollectives())  # (zero's own until set_custom_* replace it)
     for unit in registry.units_on(modules[0]):
         if not unit.materialized:  # FSDP2: on meta until to_empty (or a load) gives values
@@ -115,9 +110,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def _post_forward_group(k: int, mesh) -> tuple[bool, object]:
-    """FSDP2's ``reshard_after_forward=k``: after forward each rank keeps its 1/k of the
-    parameters over k consecutive ranks of the mesh (8 on 16 ranks: {0..7}, {8..15}), which is
-    zero's hpZ: (True, this rank's group of k). The groups are made once per mesh."""
+    """FSDP2's ``reshard_after_forward=k`` (zero's hpZ): (True, this rank's k consecutive ranks)."""
     ranks = (torch.arange(dist.get_world_size()) if mesh is None
              else mesh.mesh.flatten())  # (FSDP2: mesh.mesh.view(-1, k), replicas flattened)
     size = len(ranks) if mesh is None else mesh.size(mesh.ndim - 1)

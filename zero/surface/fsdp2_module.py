@@ -1,9 +1,8 @@
 """``FSDPModule``'s methods over zero's units: what ``zero.fully_shard`` mixes into a module.
 
-As in FSDP2, each acts on the units this module's ``fully_shard`` made, and ``recurse`` extends
-it to the units below. Every public method of torch's ``FSDPModule`` is here (a later torch's
-are refused by name), grouped by concern; notes/11-conformance.md, "FSDP2's surface, item by
-item", gives each one's test beside FSDP2.
+Each acts on the units this module's ``fully_shard`` made (``recurse``: and those below), as in
+FSDP2. Every public method of torch's ``FSDPModule`` is here, grouped by concern (a later torch's
+refused by name); notes/11-conformance.md, "FSDP2's surface, item by item", tests each one.
 """
 
 from __future__ import annotations
@@ -147,9 +146,7 @@ class ZeroFSDPModule(FSDPModule):
 
     def _change_collectives(self, what: str, change: Callable[..., CustomCollectives],
                             recurse: bool = False, gathers: bool = False) -> None:
-        """Give the units the comm policy ``change(policy, unit)`` makes from their
-        ``CustomCollectives`` (a changed copy: ``Unit.use_comm``). ``gathers``: the change is
-        about the all-gather, which a ``SubclassForm`` does not issue through the policy."""
+        """Each unit's ``CustomCollectives`` replaced by ``change(policy, unit)``'s copy."""
         units = self._units(recurse)
         if gathers and any(sp.form.sends for u in units for sp in u.sharded_params):
             raise NotImplementedError(
@@ -266,8 +263,7 @@ class ZeroFSDPModule(FSDPModule):
 
 
 def _refuse_custom_objects(what: str, policy: CustomCollectives, ours: tuple = ()) -> None:
-    """FSDP2's buffer settings do not combine with custom objects, which allocate their own
-    buffers; ``ours``: the setting's own objects (a second call replaces them)."""
+    """Refuse custom objects (they allocate their own buffers), but ``ours``, the setting's own."""
     if any(c is not None and not isinstance(c, ours)
            for c in (policy.all_gather_comm, policy.reduce_scatter_comm)):
         raise ValueError(f"{what} with a custom all-gather or reduce-scatter "

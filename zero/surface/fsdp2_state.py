@@ -1,10 +1,8 @@
 """What torch's own functions read of an FSDP2 module's state, answered from zero's units.
 
-``register_fsdp_forward_method`` (the HF Trainer's ``generate``) wraps a method in the state's
-``_pre_forward`` / ``_post_forward``: here the unit's own hooks (``hooks.pre_forward_method``).
-``share_comm_ctx`` sets the first module's ``_comm_ctx`` on the others' states and their
-``_fsdp_param_groups``: here the root's ``CommContext`` (``Root.share_context``). Anything else
-(``FSDPMemTracker``'s reads) is refused by name (notes/15, "The FSDP2 internals zero answers").
+``register_fsdp_forward_method`` (the HF Trainer's ``generate``) and ``share_comm_ctx`` read it;
+anything else (``FSDPMemTracker``'s reads) is refused by name (notes/15, "The FSDP2 internals
+zero answers", says what each reads and what answers it).
 """
 
 from __future__ import annotations

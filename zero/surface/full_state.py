@@ -2,8 +2,7 @@
 
 Both put full-size tensors where the modules use their parameters and let torch's own
 ``state_dict`` / ``load_state_dict`` do the rest, so the keys are exactly the unsharded model's
-(FSDP2's ``get_model_state_dict(..., full_state_dict=True)``). In: gathered first, so torch
-overwrites only what the dict holds; then each rank copies its pieces into its shards.
+(FSDP2's ``get_model_state_dict(..., full_state_dict=True)``).
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
 
     Args:
         model: the sharded model; state_dict: its full state, keyed as ``full_state_dict``.
-        strict: as ``nn.Module.load_state_dict``'s; with False, what the dict lacks keeps
-            its value.
+        strict: as ``nn.Module.load_state_dict``'s; with False, what the dict lacks keeps its value.
         broadcast_from_rank0: FSDP2's: only rank 0's ``state_dict`` is read (the others may
             pass ``{}``), and its values are sent to every rank. Without it every rank must
             pass the same values: ranks whose values differ raise.

@@ -8,9 +8,7 @@ from zero import comm
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` for sharded gradients (fp16), like FSDP2's ``ShardedGradScaler``.
-
-    An overflow shows on the rank whose shard holds it, and torch's plain GradScaler would
+    """An overflow shows on the rank whose shard holds it, and torch's plain GradScaler would
     skip the step there alone; this one agrees on ``found_inf`` across ranks (a maximum).
 
     Args:

@@ -1,10 +1,8 @@
 """``zero.init_parameters``: fill a model that was sharded straight from the meta device.
 
-The values must be those the full model would have had, so the random draws are replayed in
-their order: walk ``model.modules()``, give each module's parameters a temporary full-size home,
-call ``init_fn(module)``, and keep this rank's shard once a unit's last module is done; a rank
-holds the root and one other unit whole at most (notes/09-scale.md, "Why it replays
-``model.modules()``"). FSDP2's way is ``to_empty`` (a ``zero.fully_shard`` module's method).
+The random draws are replayed in their order, each module's parameters at full size in turn, so
+the values are the full model's; a rank holds the root and one other unit whole at most
+(notes/09-scale.md, "Why it replays ``model.modules()``"). FSDP2's way is ``to_empty``.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def init_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] = res
     """
     units = units_of(model)
     placement.refuse(units, "zero.init_parameters", "give the model memory with "
-                     "model.to_empty(device=...) and run its own init on the DTensors, as on "
-                     "FSDP2")
+                     "model.to_empty(device=...) and run its own init on the DTensors, as on FSDP2")
     if any(u.materialized and u.params for u in units):
         raise RuntimeError("init_parameters is for models sharded from the meta device; "
                            "this one already has values")
@@ -79,8 +76,7 @@ def _full_size(unit) -> torch.Tensor:
 
 
 def to_empty(model: nn.Module, device) -> None:
-    """``model.to_empty(device=...)`` after ``fully_shard`` on meta: memory for the rest
-    (buffers, ignored parameters), uninitialised; the values are the model's init's."""
+    """``model.to_empty(device=...)`` after ``fully_shard`` on meta: the rest, uninitialised."""
     device = torch.device(device)
     units = registry.units_of(model)
     where = units[0].sharded.device

@@ -1,6 +1,5 @@
-"""What ``zero.shard`` is told, in one object: ``Options``, frozen, read by the rest of the call,
-and handed as it is to every unit FSDP1's one-call form (``auto_wrap_policy``) makes.
-"""
+"""``zero.shard``'s arguments in one frozen object, handed as it is to every unit of FSDP1's
+one-call form (``auto_wrap_policy``)."""
 
 from __future__ import annotations
 
@@ -37,4 +36,3 @@ class Options:
         """What the root's call decides for every unit under it (``zero/core/root.py``)."""
         return {"backend": self.backend, "prefetch": self.prefetch, "schedule": self.schedule,
                 "reduce_scatter_depth": self.reduce_scatter_depth}
-

@@ -1,10 +1,8 @@
 """The policies ``zero.shard`` takes by name: ``MixedPrecision`` and the layouts (``LAYOUTS``).
 
-``MixedPrecision`` is FSDP2's ``MixedPrecisionPolicy``: the shard is cast to ``param_dtype``
-*before* its all-gather, compute runs in it, and the gradient is cast to ``reduce_dtype``
-*before* the reduce-scatter; the fp32 shard stays the optimizer's master copy. With
-mixed-precision Adam that is the ZeRO paper's K = 12 (notes/18-edge-cases.md, "Mixed
-precision").
+``MixedPrecision`` is FSDP2's ``MixedPrecisionPolicy``: cast to ``param_dtype`` before the
+all-gather, to ``reduce_dtype`` before the reduce-scatter; the fp32 shard stays the master copy
+(notes/18-edge-cases.md, "Mixed precision").
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from zero.core.flat import FlatLayout
 from zero.core.rows import RowsLayout
 from zero.core.whole import WholeLayout
 
-# Who holds which element (notes/16-layouts.md): FSDP1's and DeepSpeed's flat pieces, FSDP2's
-# rows (DTensor parameters), whole parameters (for Adafactor, Muon).
+# Who holds which element (notes/16-layouts.md): FSDP1's and DeepSpeed's, FSDP2's, whole ones.
 LAYOUTS: dict[str, type[Layout]] = {"flat": FlatLayout, "rows": RowsLayout, "whole": WholeLayout}
 
 

@@ -8,10 +8,9 @@ module's parameters that no unit below it owns yet::
     zero.shard(model, stage=3)   # the root: embeddings, final norm, head
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # after sharding
 
-A call goes in four steps: the groups and the root's context (``_context``); the local checks
-(``claim.py``) inside ``comm.raising_together``, so a mistake on one rank raises on all; the
-ranks agree on the model and its values (``zero/core/same_model.py``); the units are made
-(``_make_units``) and hooked (``_install``).
+A call: the groups and the root's context (``_context``); the local checks (``claim.py``) inside
+``comm.raising_together``, so a mistake on one rank raises on all; the ranks agree on the model
+and its values (``same_model.py``); the units are made (``_make_units``) and hooked (``_install``).
 """
 
 from __future__ import annotations
@@ -74,13 +73,11 @@ def shard(
     Args:
         module: the module; sub-modules already sharded stay their own units. A list makes
             one unit of all (FSDP2's ``fully_shard([a, b])``: an embedding and its tied head).
-        stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters; the default), one
-            for all units of a model.
+        stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters; default), one a model.
         group: the process group (default: the world).
         mesh: instead of ``group``, FSDP2's ``DeviceMesh``: 1-D, shard over it; 2-D
             (replicate, shard), HSDP (notes/14-hybrid.md).
-        mp_policy: mixed precision (``zero.MixedPrecision``); None computes in the
-            parameters' dtype.
+        mp_policy: mixed precision (``zero.MixedPrecision``); None: in the parameters' dtype.
         reshard_after_forward: stage 3 only: free the parameters after forward (True) or
             keep them for backward (False). None: False for the root, True otherwise.
         device: where the shards live when ``module`` is on the meta device (default: the
@@ -95,9 +92,8 @@ def shard(
             ZeRO++'s ``zero.QuantizedWeights()``.
         sync_module_states: copy rank 0's parameters and buffers to every rank first (FSDP1's
             name). Otherwise ranks whose values differ raise.
-        layout: "flat" (default), "rows" (FSDP2's ``Shard(0)`` DTensors), "whole" (each
-            parameter whole on one rank: Adafactor, Muon) or a ``Layout`` class; one for all
-            units of a model (notes/16-layouts.md).
+        layout: "flat", "rows" (FSDP2's ``Shard(0)`` DTensors), "whole" (each parameter whole on
+            one rank: Adafactor, Muon) or a ``Layout`` class; one for a model (notes/16).
         auto_wrap_policy: one of ``torch.distributed.fsdp.wrap``'s policies: a unit of every
             module FSDP1 would wrap, bottom-up, then the root (``zero/features/wrap.py``).
         sharding_strategy: FSDP1's ``ShardingStrategy``, instead of ``stage``: FULL_SHARD
@@ -116,21 +112,18 @@ def shard(
             the dim must divide evenly).
 
     A DTensor parameter on a tensor-parallel mesh is sharded as FSDP2 does (layout "rows";
-    ``zero/core/placement.py``). ``prefetch``, ``schedule``, ``backend`` and
-    ``reduce_scatter_depth`` are the root's to give: a unit below given others is refused
-    (notes/15, "One context per root"). Frozen parameters go into a second unit beside the
-    trainable ones (``units_on``: one unit, or two; notes/18-edge-cases.md).
+    ``zero/core/placement.py``). ``prefetch``, ``schedule``, ``backend``, ``reduce_scatter_depth``
+    are the root's to give: a unit below given others is refused (notes/15, "One context per
+    root"). Frozen parameters go into a second unit (``units_on``: one or two; notes/18).
 
     Returns:
-        ``module``, whose parameters are now this rank's pieces (same names). Build the
-        optimizer after this call.
+        ``module``, its parameters now this rank's pieces (same names): build the optimizer after.
     """
     options = Options(
-        stage=stage, group=group, mesh=mesh, mp_policy=mp_policy,
-        reshard_after_forward=reshard_after_forward, device=device,
-        broadcast_buffers=broadcast_buffers, ignored_params=ignored_params,
-        secondary_group=secondary_group, comm_policy=comm_policy,
-        sync_module_states=sync_module_states, layout=layout, auto_wrap_policy=auto_wrap_policy,
+        stage=stage, group=group, mesh=mesh, mp_policy=mp_policy, device=device, layout=layout,
+        reshard_after_forward=reshard_after_forward, broadcast_buffers=broadcast_buffers,
+        ignored_params=ignored_params, secondary_group=secondary_group, comm_policy=comm_policy,
+        sync_module_states=sync_module_states, auto_wrap_policy=auto_wrap_policy,
         sharding_strategy=sharding_strategy, offload_policy=offload_policy, prefetch=prefetch,
         schedule=schedule, backend=backend, shard_placement_fn=shard_placement_fn,
         reduce_scatter_depth=reduce_scatter_depth)
@@ -343,8 +336,7 @@ def _groups(group, mesh, ctx):
 
 
 def _mesh_info(group, replicate_group, all_group, o: Options, ctx, dtensors_on):
-    """Who the unit talks to: its group, HSDP's replicas, hpZ's node (``zero/core/config.py``);
-    DTensors go on the user's mesh or a 1-D one made here (``dtensors_on``: their device)."""
+    """Its group, HSDP's replicas, hpZ's node; ``dtensors_on``: the DTensors' device, if any."""
     placement = o.mesh
     if o.mesh is None:  # (making a mesh moves no data: torch's own, notes/15)
         placement = DeviceMesh.from_group(group or ctx.backend.world(), dtensors_on.type) \
@@ -362,8 +354,7 @@ def _mesh_group(mesh, ctx):
     if mesh.size() == ctx.world_size():
         return None
     if not hasattr(mesh, "_zero_all_group"):  # (making a group moves no data: notes/15)
-        # A slice of a larger mesh ((replicate, shard, tp)): _flatten makes every slice's group
-        # on every rank, in one order, as a new group must be made
+        # A slice of a larger mesh: _flatten makes every slice's group on every rank, in one order
         mesh._zero_all_group = (mesh._flatten().get_group() if mesh.mesh_dim_names
                                 else dist.new_group(sorted(mesh.mesh.flatten().tolist())))
     return mesh._zero_all_group
