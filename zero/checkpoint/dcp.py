@@ -242,10 +242,8 @@ def _on_rank0(ctx: CommContext, what: str, fn: Callable, *args):
 
 
 def export(path: str, out_file: str) -> dict[str, torch.Tensor]:
-    """Consolidate a checkpoint's model into one ``torch.save`` file of ``{name: full tensor}``.
-
-    One process, the whole model in memory, read as ``load`` reads: notes/08, "Export".
-    """
+    """Consolidate a checkpoint's model into one ``torch.save`` file of ``{name: full tensor}``
+    (one process, the whole model in memory, read as ``load`` reads: notes/08, "Export")."""
     ckpt = ckdir.resolve(path)
     ckdir.check_out_file(out_file, path, ckpt)
     state = reader.read_model(ckpt)

@@ -71,8 +71,7 @@ def flat_to_chunks(unit, shard: torch.Tensor) -> list[torch.Tensor]:
 
 
 def chunks_to_flat(unit, chunks: list[torch.Tensor | None]) -> torch.Tensor:
-    """This rank's FSDP2 chunk of every parameter (None: zeros) -> (S,) this rank's shard:
-    every rank's chunks, each padded to ``Chunk.padded``, in one all-gather, then copied out."""
+    """This rank's FSDP2 chunk of every parameter (None: zeros) -> (S,) this rank's shard."""
     layout, n = unit.layout, unit.world_size
     mine = [chunk_of(s, n, unit.rank) for s in layout.shapes]
     seg = [0]  # where each parameter's padded chunk sits in a rank's contribution

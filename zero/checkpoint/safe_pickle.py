@@ -11,10 +11,9 @@ that already exists would change it for the whole process: ``load_metadata`` und
 refuses the file. notes/08-checkpoints.md, "Trust", "Why that set is safe".
 
 [Note: memory and time in proportion to the file]
-The pure-Python unpickler (a dict memo; BYTEARRAY8 refused) and small keys only (a tuple's hash
-walks all of it, in C): notes/08-checkpoints.md, "Trust", "Memory and time in proportion to the
-file". Nothing else grows faster than the file: each opcode reads its own bytes and makes one
-object. ``validate.py`` checks what the objects say.
+The pure-Python unpickler (a dict memo; BYTEARRAY8 refused), small keys only (a tuple's hash walks
+all of it, in C); nothing else grows faster than the file (each opcode reads its own bytes and
+makes one object). notes/08-checkpoints.md, "Trust", "Memory and time in proportion to the file".
 """
 
 from __future__ import annotations
@@ -164,8 +163,7 @@ class _Opaque(dict):
 
 
 class _DryRun(_Unpickler):
-    """A torch.save pickle walked with ``_Opaque`` for every global and storage, refusing keys
-    that are not small and tuples past ``_KEY_NODES`` levels or of more parts than the bytes."""
+    """A torch.save pickle walked with ``_Opaque`` for each global: small keys, bounded tuples."""
 
     def __init__(self, data: bytes, where: str):
         super().__init__(io.BytesIO(data), where)

@@ -6,8 +6,7 @@
 ([Note: FSDP tensors] in torch's ``_fsdp_param.py``; torchao's float8 training sends fp8.)
 The subclass's one inner tensor sits in the unit's shard like any parameter's; ``SubclassForm``
 serves it (``out=``, refilled in place; a reshard frees the outputs, as FSDP2 does). Layout
-"rows" only; ``check`` refuses tensor parallel, offload, hpZ and a weights comm policy by name.
-notes/16-layouts.md, "rows, composed".
+"rows" only (``check``). notes/16-layouts.md, "rows, composed".
 """
 
 from __future__ import annotations

@@ -117,8 +117,7 @@ class CustomCollectives:
 
 
 class _Then:
-    """Once its collective ends, copies the result out on the side stream that allocated the
-    buffers (``zero/comm/context.py``'s streams note); the computing stream waits for it."""
+    """On ``wait()``, the copy out on the side stream (``zero/comm/context.py``'s streams note)."""
 
     def __init__(self, work, copy_out, device: torch.device):
         self.work, self.copy_out = work, copy_out

@@ -6,8 +6,7 @@ the directory (``zero-optimizer-state-*``) goes with the store. notes/17-family.
 [Note: who may delete a directory] Nothing that may still be needed: a dead store's directory
 goes only if the ``flock`` on its mark is free (and the mark's host is this one: ``flock`` on some
 network file systems is local to one machine); a SIGTERM handler only where death is the action;
-marks are untrusted (``_OPEN_UNTRUSTED``, at most ``_MARK_BYTES``). Each handler knows its own
-store's directory. notes/17-family.md, "Disk offload", tells why.
+marks are untrusted (``_OPEN_UNTRUSTED``, ``_MARK_BYTES``). Why: notes/17-family.md, "Disk offload".
 """
 
 from __future__ import annotations

@@ -22,8 +22,7 @@ ALIGN = 64  # bytes: every state tensor starts at a multiple of this in its unit
 
 
 class StateStore:
-    """One optimizer's state for one ``DiskOffload``'s units, a file a unit: its state tensors
-    end to end (at multiples of ``ALIGN``); index and 0-d state (``step``) stay in memory."""
+    """One optimizer's state for a ``DiskOffload``'s units, a file a unit (notes/17-family.md)."""
 
     def __init__(self, directory: str):
         self.disk = StateFiles(directory)  # checked writes and reads (zero/features/disk_files.py)

@@ -95,8 +95,7 @@ class CPUOffload(_StepsAsUsual):
 
 
 def offload_from_torch(policy):
-    """``OnDevice()`` for None and torch's ``OffloadPolicy``, ``CPUOffload`` for its
-    ``CPUOffloadPolicy``, anything else as it is (``zero.shard`` checks it)."""
+    """zero's policy for torch's (None: ``OnDevice()``); anything else as it is (checked later)."""
     if policy is None or type(policy) is OffloadPolicy:
         return OnDevice()
     if isinstance(policy, CPUOffloadPolicy):
