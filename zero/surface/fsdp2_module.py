@@ -155,16 +155,18 @@ class ZeroFSDPModule(FSDPModule):
                 "not pass it through a comm object; use one or the other, or FSDP2's "
                 "fully_shard for both")
 
-        def changed(policy: api.CommPolicy, unit) -> CustomCollectives:
+        def ours(policy: api.CommPolicy, unit) -> CustomCollectives:
             if not isinstance(policy, CustomCollectives):
                 raise TypeError(
                     f"{what} on unit {unit.name}, sharded by zero.shard with the comm policy "
                     f"{type(policy).__name__}: FSDP2's collective settings are for the units "
                     "zero.fully_shard makes; shard this module with zero.fully_shard, or give "
                     "zero.shard a comm_policy that does what you need")
-            return change(policy, unit)
+            return policy
+        for unit in units:  # (every unit asked first: a refusal leaves none changed)
+            unit.use_comm(partial(ours, unit=unit))
         for unit in units:
-            unit.use_comm(partial(changed, unit=unit))
+            unit.use_comm(partial(change, unit=unit))
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's ``AllGather`` object gathers this module's parameters."""
