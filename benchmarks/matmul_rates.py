@@ -10,7 +10,7 @@
 
 The plan prices a matmul at the GPU's best-shape maximum (MAMF, 794 of an H100's 989 TFLOPS)
 less its tiles' and waves' quantization (``zerolab/roofline.py``). This script takes the step
-from the plan's own simulation (``zerolab.measured.step_ops``: FSDP2's step, counted) and lists
+from the plan's own simulation (``zerolab.plan.step_ops``: FSDP2's step, counted) and lists
 every distinct matmul, (batch, m, n, k), dtype and layout, with how often forward and backward
 run it, and the memory-bound operators by size (powers of two). With CUDA it then measures,
 under sustained load:
@@ -49,7 +49,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from zerolab import measured  # noqa: E402
+from zerolab import measured, plan  # noqa: E402
 from zerolab.clusters import PRESETS, preset  # noqa: E402
 from zerolab.roofline import Roofline  # noqa: E402
 
@@ -61,7 +61,7 @@ def enumerate_step(args) -> tuple[list[dict], list[dict]]:
     on ``--cluster``'s GPU (every effect of the roofline: what the plan charges)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ops = measured.step_ops(args.model, args.batch, args.seq, args.mixed_precision,
+        ops = plan.step_ops(args.model, args.batch, args.seq, args.mixed_precision,
                                 args.activation_checkpointing, args.world_size)
     roof = Roofline(preset(args.cluster).device)
     mm, mem = {}, {}

@@ -7,8 +7,9 @@ no source gives: it has to be measured. ``benchmarks/matmul_rates.py`` times, on
 hand, every distinct matmul the plan's own simulation of the step runs, and writes a JSON file;
 ``python -m zerolab plan --matmul-rates FILE`` reads it here:
 
-- ``step_ops``: every operator of the step with its count, from the plan's simulation (a model
-  of alike blocks run at 3 and 4 blocks and extended to its depth, as the plan does);
+- ``count``: the operators of a simulated step with their counts (``zerolab.plan.step_ops``
+  counts a whole step of a model of alike blocks, run at 3 and 4 blocks and extended to its
+  depth, as the plan does);
 - ``Shape``: a matmul as it is measured and looked up: (batch, m, n, k), dtype, layout;
 - ``load``: a rates file held to the plan it is given to (the same model, the same dtype; a
   dry run, which measured nothing, refused), as a ``MatmulRates``: the roofline asks it for
@@ -69,28 +70,6 @@ def count(run: dict) -> collections.Counter:
     for (phase, _), ops in run["ops"].items():
         for op in ops:
             out[(phase, op)] += 1
-    return out
-
-
-def step_ops(spec: str, batch: int, seq: int, mixed_precision: bool,
-             checkpoint: str | None = None, world_size: int = 8) -> collections.Counter:
-    """Every operator of one step of FSDP2 on ``world_size`` ranks, counted, from the plan's
-    own simulation (``zerolab.plan.simulate``). The matmuls are every system's but DDP's (which
-    computes in fp32); the memory-bound operators are FSDP2's."""
-    from zerolab import plan
-
-    info = plan.check(spec, world_size, checkpoint, False, seq)
-    depths = plan.SAMPLE if info["extend"] else (None,)
-    runs = [count(plan.simulate(spec, "fsdp2", world_size, batch, seq, mixed_precision,
-                                checkpoint, 8, blocks=d)) for d in depths]
-    if len(runs) == 1:
-        return runs[0]
-    a, b = runs  # each block adds the same operators: the line through 3 and 4 blocks
-    out = collections.Counter()
-    for key in {*a, *b}:
-        n = b[key] + (b[key] - a[key]) * (info["blocks"] - plan.SAMPLE[1])
-        if n > 0:
-            out[key] = n
     return out
 
 

@@ -42,6 +42,7 @@ Needs ``transformers`` for a Hugging Face config, ``torchtitan`` for ``torchtita
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -855,3 +856,23 @@ def plot(rows: list[dict], args, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def step_ops(spec: str, batch: int, seq: int, mixed_precision: bool,
+             checkpoint: str | None = None, world_size: int = 8) -> collections.Counter:
+    """Every operator of one step of FSDP2 on ``world_size`` ranks, counted, from the plan's
+    own simulation (``simulate``). The matmuls are every system's but DDP's (which
+    computes in fp32); the memory-bound operators are FSDP2's."""
+    info = check(spec, world_size, checkpoint, False, seq)
+    depths = SAMPLE if info["extend"] else (None,)
+    runs = [measured.count(simulate(spec, "fsdp2", world_size, batch, seq, mixed_precision,
+                                    checkpoint, 8, blocks=d)) for d in depths]
+    if len(runs) == 1:
+        return runs[0]
+    a, b = runs  # each block adds the same operators: the line through 3 and 4 blocks
+    out: collections.Counter = collections.Counter()
+    for key in {*a, *b}:
+        n = b[key] + (b[key] - a[key]) * (info["blocks"] - SAMPLE[1])
+        if n > 0:
+            out[key] = n
+    return out
