@@ -13,12 +13,13 @@ and until it has run there, the CUDA path is untested. What it checks:
    median step time per stage;
 4. CPU offload: ZeRO-3's peak device memory with the shards on the host, against without;
    and disk offload's (the optimizer state in files, the step on the host);
-5. streams: the collectives' side streams (``zero/comm/context.py``'s note) run beside the
+5. a model trained and deleted gives its device memory back to the byte, at each stage;
+6. streams: the collectives' side streams (``zero/comm/context.py``'s note) run beside the
    computation: in a profiled ZeRO-3 step in bf16, how many of the kernels on the context's
    streams (the copy-ins' casts; with several GPUs under torchrun, NCCL's all-gathers and
    reduce-scatters) overlap a kernel of the computing stream. Check 1's equality runs with
    the streams on: the losses and parameters are bitwise the single-device run's;
-6. time as the emulated cluster reports it, measured: with 2 or more GPUs, one profiled step of
+7. time as the emulated cluster reports it, measured: with 2 or more GPUs, one profiled step of
    each system (DDP, ZeRO-1/2/3, FSDP2 with and without resharding; NCCL, bf16 compute) and,
    from the kernels of its trace (``zerolab/profiled.py``), the communication exposed per
    collective kind and the overlap fraction: the rows to read beside ``compare_stages.py
@@ -125,6 +126,38 @@ def memory_and_time(rank: int, n: int, kind: str) -> tuple[int, float]:
         _sync()
         times.append(time.perf_counter() - t0)
     return _peak(), statistics.median(times[1:])
+
+
+def freed_after_delete(rank: int, n: int) -> list[tuple[str, bool | str]]:
+    """A model trained, then deleted: its units are collected and the device memory it held
+    comes back to the byte (tests/core/test_model_code.py checks the units on the CPU)."""
+    import gc
+    import weakref
+
+    device, out = _device(), []
+    for stage in (1, 2, 3):
+        gc.collect()
+        before = 0 if DRY["on"] else torch.cuda.memory_allocated()
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = GPT(SMALL)
+        for unit in model.units():
+            zero.shard(unit, stage=stage)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for s in range(2):
+            x, y = model.batch(2, torch.Generator().manual_seed(s))
+            model.loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+            opt.zero_grad()
+        units = [weakref.ref(u) for u in zero.units_of(model)]
+        del model, opt, unit
+        gc.collect()
+        _sync()
+        left = (0 if DRY["on"] else torch.cuda.memory_allocated()) - before
+        alive = sum(u() is not None for u in units)
+        out.append((f"zero{stage}: a trained model deleted: units alive, device bytes kept",
+                    True if (alive, left) == (0, 0) else f"{alive} units, {left} B"))
+    return out
 
 
 def streams_overlap(rank: int, n: int) -> tuple[str, str | bool]:
@@ -266,6 +299,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         return out
 
     check("the stage comparison", stages)
+    check("a deleted model freed", lambda: run_ranks(freed_after_delete, 1,
+                                                     backend=_backend(), timeout=240)[0])
     check("streams", lambda: [run_ranks(streams_overlap, 1, backend=_backend(),
                                         timeout=240)[0]])
     gpus = 2 if DRY["on"] else torch.cuda.device_count()
